@@ -1,0 +1,358 @@
+"""The public entry points: `compile` (the decorator object) and `fwd_and_bwd`."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import threading
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.tree_util import (keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_structure,
+                           tree_unflatten)
+
+from aotgrad._jax_internals import Tracer
+from aotgrad.config import config
+from aotgrad.runtime import Entry, ProgramPair, Saved, Timings
+from aotgrad.signature import ArgSpec, CallKey, describe_key_change, leaf_paths
+from aotgrad.trace import differentiable, trace_forward
+
+__all__ = ["AOTFunction", "CacheInfo", "Compiled", "Lowered", "compile", "fwd_and_bwd"]
+
+logger = logging.getLogger("aotgrad")
+
+_FORWARD_MODE_HINT = (
+    "aotgrad.compile({name}) is reverse-mode only: its backward is a separately compiled "
+    "program, so forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize of jvp, "
+    "jax.hessian) cannot pass through it. Use jax.grad / jax.vjp / jax.jacrev on the "
+    "compiled function, or call the undecorated function under forward mode.")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheInfo:
+    """What one compiled function holds: signatures (entries) and program pairs."""
+    entries: int
+    pairs: int
+    hits: int
+    misses: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One call, resolved: the entry, its flat inputs, and where each leaf came from."""
+    entry: Entry
+    inputs: tuple[Any, ...]  # (consts..., leaves...)
+    in_tree: Any  # structure of (dynamic args, dynamic kwargs)
+    leaf_args: tuple[int, ...]  # for each leaf, the positional argument it belongs to (-1: kwarg)
+
+
+class AOTFunction:
+    """A function compiled ahead of time into forward and backward XLA programs.
+
+    Calling it outside autodiff runs a forward-only program; under `jax.grad`, `jax.vjp`
+    or `jax.jacrev` it runs a forward program that also returns saved values, then a
+    backward program. Programs are built once per signature (argument structure, shapes,
+    dtypes, static arguments, and the options in `aotgrad.config` that change programs).
+    """
+
+    def __init__(self, fn: Callable, *, static_argnums: int | Sequence[int] = (),
+                 static_argnames: str | Sequence[str] = (),
+                 donate_argnums: int | Sequence[int] = ()) -> None:
+        if not callable(fn):
+            raise TypeError(f"aotgrad.compile expects a callable; got {type(fn).__name__} ({fn!r}).")
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._spec = ArgSpec.of(fn, static_argnums, static_argnames)
+        self._donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        clash = set(self._donate) & set(self._spec.static_argnums)
+        if clash:
+            raise ValueError(f"aotgrad.compile({self._spec.fn_name}): arguments {sorted(clash)} are in "
+                             f"both donate_argnums and static_argnums; a static argument cannot be donated.")
+        self._cache: collections.OrderedDict[CallKey, Entry] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._last_key: CallKey | None = None
+        self._warned_eviction = False
+        self._hits = self._misses = 0
+
+    @property
+    def name(self) -> str:
+        return self._spec.fn_name
+
+    # ---------------------------------------------------------------- calling
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = self._resolve(args, kwargs)
+        entry = call.entry
+        if not any(isinstance(x, Tracer) for x in call.inputs):
+            outs = entry.forward_only(*call.inputs)  # concrete inputs: nothing to differentiate
+        else:
+            try:
+                outs = entry.call(*call.inputs)
+            except TypeError as e:
+                if "forward-mode" in str(e):
+                    raise TypeError(_FORWARD_MODE_HINT.format(name=self.name)) from e
+                raise
+        return tree_unflatten(entry.fwd.out_tree, outs)
+
+    def _resolve(self, args: tuple, kwargs: dict) -> _Call:
+        static, dyn_args, dyn_kwargs = self._spec.split(args, kwargs)
+        leaves, in_tree = self._spec.flatten(dyn_args, dyn_kwargs)
+        dyn_pos = [i for i in range(len(args)) if i not in self._spec.static_argnums
+                   and (i - len(args)) not in self._spec.static_argnums]
+        leaf_args = tuple(p for p, a in zip(dyn_pos, dyn_args) for _ in range(len(tree_leaves(a))))
+        leaf_args += (-1,) * (len(leaves) - len(leaf_args))
+        entry = self._entry(static, in_tree, leaves, leaf_args)
+        return _Call(entry, (*entry.fwd.consts, *leaves), in_tree, leaf_args)
+
+    def _entry(self, static: tuple, in_tree: Any, leaves: list, leaf_args: tuple[int, ...]) -> Entry:
+        snapshot = config.snapshot()
+        key = CallKey(static, in_tree, tuple(map(jax.typeof, leaves)), snapshot.key)
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
+                self._hits += 1
+                self._last_key = key
+                return entry
+            self._misses += 1
+            last = self._last_key
+        if snapshot["log_recompiles"] and last is not None:
+            logger.warning("aotgrad: compiling %s again: %s", self.name,
+                           "; ".join(describe_key_change(self._spec, last, key)))
+
+        def flat_fn(*flat: Any) -> Any:
+            dyn_args, dyn_kwargs = tree_unflatten(in_tree, flat)
+            a, k = self._spec.merge(static, dyn_args, dyn_kwargs)
+            return self._fn(*a, **k)
+
+        fwd = trace_forward(flat_fn, self.name, key.avals)
+        donate = tuple(len(fwd.consts) + i for i, p in enumerate(leaf_args) if p in self._donate)
+        entry = Entry(self.name, id(self), fwd, snapshot["partitioner"], donate)
+        if any(isinstance(c, Tracer) for c in fwd.consts):
+            return entry  # closes over an enclosing transform's tracers: valid for this call only
+        with self._lock:
+            self._cache[key] = entry
+            self._last_key = key
+            limit = snapshot["cache_size_limit"]
+            while len(self._cache) > limit:
+                self._cache.popitem(last=False)
+                if not self._warned_eviction:
+                    self._warned_eviction = True
+                    warnings.warn(
+                        f"aotgrad.compile({self.name}) has compiled for more than "
+                        f"cache_size_limit={limit} signatures; evicting the least recently used. "
+                        f"Set aotgrad.config.log_recompiles = True to see why calls miss the cache, "
+                        f"or raise aotgrad.config.cache_size_limit.", stacklevel=4)
+        return entry
+
+    # ---------------------------------------------------------------- ahead of time
+
+    def lower(self, *args: Any, **kwargs: Any) -> "Lowered":
+        """Lowers the forward and backward programs for these arguments (arrays or
+        `jax.ShapeDtypeStruct`s), differentiating every floating-point input."""
+        call = self._resolve(args, kwargs)
+        pair = self._full_pair(call)
+        lowered_f, lowered_b, timings = pair.lower(call.inputs)
+        return Lowered(self.name, pair, lowered_f, lowered_b, timings)
+
+    def _full_pair(self, call: _Call) -> ProgramPair:
+        n = len(call.entry.fwd.consts)
+        perturbed = (False,) * n + tuple(differentiable(a) for a in call.entry.fwd.in_avals[n:])
+        return call.entry.pair(perturbed, call.entry.default_has_ct())
+
+    def cache_info(self) -> CacheInfo:
+        with self._lock:
+            pairs = sum(len(e.pairs) for e in self._cache.values())
+            return CacheInfo(len(self._cache), pairs, self._hits, self._misses)
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            self._cache.clear()
+            self._last_key = None
+
+    def __repr__(self) -> str:
+        return f"aotgrad.compile({self.name})"
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        # Decorating a method: bind `self` like a function would.
+        return self if obj is None else functools.partial(self, obj)
+
+
+def compile(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
+            static_argnames: str | Sequence[str] = (),
+            donate_argnums: int | Sequence[int] = ()) -> Any:
+    """Compiles `fn` ahead of time into separate forward and backward XLA programs.
+
+    Usable bare (``@aotgrad.compile``) or with arguments
+    (``@aotgrad.compile(static_argnums=1)``).
+
+    Arguments:
+        fn: a function of arrays (and pytrees of arrays) written with `jax.numpy` / `jax.lax`.
+        static_argnums: positional arguments that are hashable configuration, not arrays.
+        static_argnames: keyword arguments that are hashable configuration.
+        donate_argnums: positional arguments whose buffers the forward-only program may reuse.
+    """
+    def wrap(f: Callable) -> AOTFunction:
+        return AOTFunction(f, static_argnums=static_argnums, static_argnames=static_argnames,
+                           donate_argnums=donate_argnums)
+    return wrap if fn is None else wrap(fn)
+
+
+# ----------------------------------------------------------------------------- AOT stages
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """Both programs lowered to StableHLO; `.compile()` compiles them."""
+    name: str
+    pair: ProgramPair
+    forward: Any  # jax.stages.Lowered
+    backward: Any  # jax.stages.Lowered
+    timings: Timings
+
+    def as_text(self) -> str:
+        return (f"// aotgrad forward program of {self.name}\n{self.forward.as_text()}\n"
+                f"// aotgrad backward program of {self.name}\n{self.backward.as_text()}")
+
+    def compile(self) -> "Compiled":
+        import time
+        t0 = time.perf_counter()
+        f, b = self.forward.compile(), self.backward.compile()
+        timings = dataclasses.replace(self.timings, compile=time.perf_counter() - t0)
+        return Compiled(self.name, self.pair, f, b, timings)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """Both programs compiled: each a `jax.stages.Compiled` with `as_text()`,
+    `memory_analysis()` and `cost_analysis()`."""
+    name: str
+    pair: ProgramPair
+    forward: Any
+    backward: Any
+    timings: Timings
+
+    def as_text(self) -> str:
+        return (f"// aotgrad forward program of {self.name}\n{self.forward.as_text()}\n"
+                f"// aotgrad backward program of {self.name}\n{self.backward.as_text()}")
+
+    def memory_analysis(self) -> dict[str, Any]:
+        return {"forward": self.forward.memory_analysis(), "backward": self.backward.memory_analysis()}
+
+    def cost_analysis(self) -> dict[str, Any]:
+        return {"forward": self.forward.cost_analysis(), "backward": self.backward.cost_analysis()}
+
+
+# ----------------------------------------------------------------------------- fwd_and_bwd
+
+def fwd_and_bwd(fn: Callable, argnums: int | Sequence[int] = 0,
+                has_aux: bool = False) -> tuple[Callable, Callable]:
+    """Separate forward and backward functions, with the contract of `jax.fwd_and_bwd`.
+
+    `fwd(*args) -> (out, saved)` (or `(out, saved, aux)` with `has_aux`);
+    `bwd(saved, ct) -> grads` for the arguments in `argnums` (a single value when `argnums`
+    is an int). `saved` is a pytree of `jax.Array`s: count it, move it, offload it.
+    """
+    f = fn if isinstance(fn, AOTFunction) else AOTFunction(fn)
+    single = isinstance(argnums, (int, np.integer))
+    nums = (int(argnums),) if single else tuple(int(i) for i in argnums)
+    if not nums:
+        raise ValueError("aotgrad.fwd_and_bwd: argnums must name at least one argument.")
+
+    def fwd(*args: Any) -> tuple[Any, ...]:
+        bad = [i for i in nums if not -len(args) <= i < len(args)]
+        if bad:
+            raise ValueError(f"aotgrad.fwd_and_bwd({f.name}): argnums {bad} out of range for "
+                             f"{len(args)} positional arguments.")
+        call = f._resolve(args, {})
+        entry = call.entry
+        n = len(entry.fwd.consts)
+        wanted = {i % len(args) for i in nums}
+        perturbed = (False,) * n + tuple(p in wanted and differentiable(a)
+                                         for p, a in zip(call.leaf_args, entry.fwd.in_avals[n:]))
+        has_ct = entry.default_has_ct()
+        if has_aux:
+            n_main = _n_main_outputs(f.name, entry.fwd.out_tree)
+            has_ct = has_ct[:n_main] + (False,) * (len(has_ct) - n_main)
+        pair = entry.pair(perturbed, has_ct)
+        if not hasattr(pair, "grad_layout"):
+            pair.grad_layout = _GradLayout.of(args, call, nums, has_aux)
+        outs, saved = pair.run_forward(call.inputs)
+        out = tree_unflatten(entry.fwd.out_tree, outs)
+        return (out[0], saved, out[1]) if has_aux else (out, saved)
+
+    def bwd(saved: Saved, ct: Any) -> Any:
+        if not isinstance(saved, Saved):
+            raise TypeError(f"aotgrad.fwd_and_bwd({f.name}): bwd expects the `saved` returned by "
+                            f"its fwd; got {type(saved).__name__}.")
+        pair = saved.pair
+        layout = getattr(pair, "grad_layout", None)
+        if pair.owner_id != id(f) or layout is None or layout.nums != nums:
+            raise ValueError(
+                f"aotgrad.fwd_and_bwd({f.name}): `saved` was produced by the forward of "
+                f"{pair.owner!r} with other differentiated arguments or another function; pass "
+                f"the `saved` returned by this fwd_and_bwd's own fwd.")
+        cts = _check_cotangent(f.name, pair, layout, ct)
+        grads = iter(pair.run_backward(saved, cts))
+        flat = [next(grads) if p else np.zeros(a.shape, jax.dtypes.float0)
+                for p, a in zip(pair.perturbed, pair.in_avals)]
+        per_arg = [tree_unflatten(t, flat[s:e]) for t, s, e in layout.arg_slices]
+        return per_arg[0] if single else tuple(per_arg)
+
+    return fwd, bwd
+
+
+@dataclasses.dataclass(frozen=True)
+class _GradLayout:
+    """How the flat input cotangents regroup into one pytree per differentiated argument."""
+    nums: tuple[int, ...]
+    arg_slices: tuple[tuple[Any, int, int], ...]  # (treedef, start, end) over inputs
+    out_tree: Any  # structure of the differentiated output (without aux)
+    out_paths: tuple[str, ...]  # readable path of each output leaf
+
+    @classmethod
+    def of(cls, args: tuple, call: _Call, nums: tuple[int, ...], has_aux: bool) -> "_GradLayout":
+        n = len(call.entry.fwd.consts)
+        slices = []
+        for i in nums:
+            pos = i % len(args)
+            idx = [n + j for j, p in enumerate(call.leaf_args) if p == pos]
+            start = idx[0] if idx else n
+            slices.append((tree_structure(args[pos]), start, start + len(idx)))
+        out_tree = call.entry.fwd.out_tree
+        if has_aux:
+            out_tree = out_tree.children()[0]
+        paths = tuple(keystr(p) for p, _ in tree_flatten_with_path(tree_unflatten(out_tree, [0] * out_tree.num_leaves))[0])
+        return cls(nums, tuple(slices), out_tree, paths)
+
+
+def _n_main_outputs(name: str, out_tree: Any) -> int:
+    children = out_tree.children()
+    if out_tree.num_nodes < 1 or len(children) != 2:
+        raise TypeError(f"aotgrad.fwd_and_bwd({name}, has_aux=True): the function must return a "
+                        f"pair (output, aux); it returned a pytree of structure {out_tree}.")
+    return children[0].num_leaves
+
+
+def _check_cotangent(name: str, pair: ProgramPair, layout: "_GradLayout", ct: Any) -> list[Any]:
+    """Validates `ct` against the output; returns the cotangents of outputs that take one."""
+    leaves, tree = tree_flatten(ct)
+    if tree != layout.out_tree:
+        raise ValueError(f"aotgrad.fwd_and_bwd({name}): the cotangent has structure {tree}; "
+                         f"expected the output's structure {layout.out_tree}.")
+    cts = []
+    for j, (leaf, take) in enumerate(zip(leaves, pair.has_ct)):
+        if not take:
+            continue
+        want = pair.graph.closed.out_avals[j]
+        got = jax.typeof(leaf)
+        if got.shape == want.shape and got.weak_type and np.dtype(got.dtype).kind == np.dtype(want.dtype).kind:
+            leaf = jax.numpy.asarray(leaf, want.dtype)  # a Python scalar for a scalar output
+        elif got.shape != want.shape or got.dtype != want.dtype:
+            raise ValueError(
+                f"aotgrad.fwd_and_bwd({name}): the cotangent at ct{layout.out_paths[j]} is "
+                f"{got.str_short()}; expected {want.str_short()} (the output's shape and dtype).")
+        cts.append(leaf)
+    return cts

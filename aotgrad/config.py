@@ -1,0 +1,287 @@
+"""Typed, validated options, read at trace time.
+
+Every option has a global default (set by assignment, ``aotgrad.config.x = v``,
+or by the environment variable ``AOTGRAD_<NAME>`` at import) and may be overridden
+for the current thread / context with ``aotgrad.config.patch(**overrides)``.
+Options marked ``keyed`` change the programs aotgrad builds, so their values are
+part of every compiled function's cache key.
+"""
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import json
+import os
+import threading
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+
+__all__ = ["Config", "ConfigError", "Snapshot", "config"]
+
+
+class ConfigError(ValueError):
+    """An unknown option or a value an option does not accept."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    name: str
+    default: Any
+    parse: Callable[[Any], Any]  # validates and normalizes; raises ConfigError
+    from_env: Callable[[str], Any]  # environment string -> raw value for `parse`
+    doc: str
+    keyed: bool  # part of the cache key: it changes the programs built
+
+
+# ----------------------------------------------------------------------------- parsers
+
+def _choice(name: str, choices: Callable[[], tuple[str, ...]]) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        valid = choices()
+        if not isinstance(value, str) or value not in valid:
+            raise ConfigError(f"aotgrad.config.{name} must be one of {list(valid)}; got {value!r}.")
+        return value
+    return parse
+
+
+def _positive_int(name: str) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ConfigError(f"aotgrad.config.{name} must be an integer >= 1; got {value!r}.")
+        return int(value)
+    return parse
+
+
+def _bool(name: str) -> Callable[[Any], bool]:
+    def parse(value: Any) -> bool:
+        if not isinstance(value, (bool, np.bool_)):
+            raise ConfigError(f"aotgrad.config.{name} must be True or False; got {value!r}.")
+        return bool(value)
+    return parse
+
+
+def _env_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    return text  # type: ignore[return-value]  # `parse` reports it
+
+
+def _optional_path(name: str) -> Callable[[Any], str | None]:
+    def parse(value: Any) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, (str, os.PathLike)):
+            raise ConfigError(f"aotgrad.config.{name} must be a directory path or None; got {value!r}.")
+        return os.fspath(value)
+    return parse
+
+
+AUTOCAST_KEYS = ("device_type", "dtype", "enabled")
+AUTOCAST_DEVICES = ("cpu", "gpu", "cuda", "tpu")
+AUTOCAST_DTYPES = ("float16", "bfloat16")
+
+
+def _autocast_kwargs(value: Any, where: str) -> tuple[tuple[str, Any], ...]:
+    """Validates one dict of autocast keyword arguments; returns it as sorted pairs."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be a dict of autocast arguments; got {value!r}.")
+    unknown = sorted(set(value) - set(AUTOCAST_KEYS))
+    if unknown:
+        raise ConfigError(f"{where} has unknown keys {unknown}; valid keys are {list(AUTOCAST_KEYS)}.")
+    out: dict[str, Any] = {}
+    device = value.get("device_type")
+    if device is not None and device not in AUTOCAST_DEVICES:
+        raise ConfigError(f"{where}['device_type'] must be one of {list(AUTOCAST_DEVICES)} or None; got {device!r}.")
+    out["device_type"] = "gpu" if device == "cuda" else device
+    dtype = value.get("dtype")
+    if dtype is not None:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = repr(dtype)
+        if name not in AUTOCAST_DTYPES:
+            raise ConfigError(f"{where}['dtype'] must be one of {list(AUTOCAST_DTYPES)} or None; got {dtype!r}.")
+        dtype = name
+    out["dtype"] = dtype
+    enabled = value.get("enabled", True)
+    if not isinstance(enabled, (bool, np.bool_)):
+        raise ConfigError(f"{where}['enabled'] must be True or False; got {enabled!r}.")
+    out["enabled"] = bool(enabled)
+    return tuple(sorted(out.items()))
+
+
+def _backward_pass_autocast(value: Any) -> Any:
+    where = "aotgrad.config.backward_pass_autocast"
+    if isinstance(value, str):
+        if value not in ("same_as_forward", "off"):
+            raise ConfigError(
+                f"{where} must be 'same_as_forward', 'off', a dict of autocast arguments "
+                f"or a list of such dicts; got {value!r}.")
+        return value
+    if isinstance(value, Mapping):
+        return (_autocast_kwargs(value, where),)
+    if isinstance(value, (list, tuple)) and value:
+        return tuple(_autocast_kwargs(v, f"{where}[{i}]") for i, v in enumerate(value))
+    raise ConfigError(
+        f"{where} must be 'same_as_forward', 'off', a dict of autocast arguments "
+        f"or a non-empty list of such dicts; got {value!r}.")
+
+
+def _env_json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _partitioner_names() -> tuple[str, ...]:
+    from aotgrad.partition import PARTITIONERS  # the registry decides what is valid
+    return tuple(PARTITIONERS)
+
+
+_OPTIONS: dict[str, Option] = {o.name: o for o in (
+    Option("partitioner", "default", _choice("partitioner", _partitioner_names), str,
+           "Strategy that chooses which forward values the backward reads from memory.", keyed=True),
+    Option("backward_pass_autocast", "same_as_forward", _backward_pass_autocast, _env_json_or_text,
+           "Autocast context the backward program is built under: 'same_as_forward', 'off', "
+           "a dict of autocast arguments, or a list of dicts applied as nested contexts.", keyed=True),
+    Option("cache_size_limit", 64, _positive_int("cache_size_limit"), int,
+           "Compiled entries kept per function; past it the least recently used is evicted.", keyed=False),
+    Option("log_recompiles", False, _bool("log_recompiles"), _env_bool,
+           "Log (logger 'aotgrad') why a call missed the cache.", keyed=False),
+    Option("debug_dir", None, _optional_path("debug_dir"), str,
+           "Directory to dump each compilation's forward/backward jaxprs and lowered text.", keyed=False),
+)}
+
+
+# ----------------------------------------------------------------------------- state
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The effective value of every option at one moment."""
+    values: tuple[tuple[str, Any], ...]
+
+    def __getitem__(self, name: str) -> Any:
+        return dict(self.values)[name]
+
+    @functools.cached_property
+    def key(self) -> tuple[tuple[str, Any], ...]:
+        """The options that change programs: part of every cache key."""
+        return tuple((n, v) for n, v in self.values if _OPTIONS[n].keyed)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+
+def _unknown(name: str) -> ConfigError:
+    return ConfigError(f"aotgrad.config has no option {name!r}; valid options are {sorted(_OPTIONS)}.")
+
+
+def _validate(name: str, value: Any) -> Any:
+    if name not in _OPTIONS:
+        raise _unknown(name)
+    return _OPTIONS[name].parse(value)
+
+
+class Config:
+    """``aotgrad.config``: read an option as an attribute, set a global default by assignment,
+    override it for a block with :meth:`patch`."""
+
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        defaults = {}
+        for name, opt in _OPTIONS.items():
+            env = os.environ.get(f"AOTGRAD_{name.upper()}")
+            raw = opt.default if env is None else opt.from_env(env)
+            try:
+                defaults[name] = opt.parse(raw)
+            except ConfigError as e:
+                raise ConfigError(f"environment variable AOTGRAD_{name.upper()}={env!r}: {e}") from None
+        object.__setattr__(self, "_defaults", defaults)
+        object.__setattr__(self, "_version", 0)
+        object.__setattr__(self, "_overrides", contextvars.ContextVar("aotgrad_config_overrides", default=()))
+        object.__setattr__(self, "_snapshots", {})
+
+    def snapshot(self) -> Snapshot:
+        """The effective options for the current context (cheap: cached per state)."""
+        state = (self._version, self._overrides.get())
+        snap = self._snapshots.get(state)
+        if snap is None:
+            merged = dict(self._defaults)
+            merged.update(state[1])
+            snap = Snapshot(tuple(merged.items()))
+            if len(self._snapshots) > 256:
+                self._snapshots.clear()
+            self._snapshots[state] = snap
+        return snap
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in _OPTIONS:
+            raise _unknown(name)
+        for key, value in reversed(self._overrides.get()):
+            if key == name:
+                return value
+        return self._defaults[name]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        parsed = _validate(name, value)
+        with self._lock:
+            self._defaults[name] = parsed
+            object.__setattr__(self, "_version", self._version + 1)
+
+    def patch(self, **overrides: Any) -> "_Patch":
+        """Overrides options inside a ``with`` block or a decorated function.
+
+        Restores the previous values exactly on exit (also on exceptions), nests, and is
+        local to the current thread / ``contextvars`` context.
+        """
+        return _Patch(self, tuple((n, _validate(n, v)) for n, v in overrides.items()))
+
+    def options(self) -> dict[str, str]:
+        """Every option name with its documentation."""
+        return {name: opt.doc for name, opt in _OPTIONS.items()}
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(_OPTIONS))
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{n}={v!r}" for n, v in self.snapshot().values)
+        return f"aotgrad.config({body})"
+
+
+class _Patch:
+    """Context manager and decorator returned by :meth:`Config.patch`."""
+
+    def __init__(self, cfg: Config, overrides: tuple[tuple[str, Any], ...]) -> None:
+        self._cfg = cfg
+        self._overrides = overrides
+        self._tokens: list[contextvars.Token] = []  # a stack: the same object may be re-entered
+
+    def __enter__(self) -> Config:
+        var = self._cfg._overrides
+        self._tokens.append(var.set(var.get() + self._overrides))
+        return self._cfg
+
+    def __exit__(self, *exc: object) -> None:
+        self._cfg._overrides.reset(self._tokens.pop())
+
+    def __call__(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with _Patch(self._cfg, self._overrides):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter(self._overrides)
+
+
+config = Config()

@@ -1,0 +1,26 @@
+"""How the joint graph is split: strategies choose the saved set, `split` builds programs.
+
+A strategy is a function `JointGraph -> {value: reason}`; register it in PARTITIONERS
+and it becomes a valid `aotgrad.config.partitioner` choice.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from jax.extend.core import Var
+
+from aotgrad.partition.default import save_what_backward_reads
+from aotgrad.partition.graph import JointGraph
+from aotgrad.partition.split import Split, split
+
+__all__ = ["PARTITIONERS", "JointGraph", "Split", "partition", "split"]
+
+Strategy = Callable[[JointGraph], dict[Var, str]]
+
+PARTITIONERS: dict[str, Strategy] = {
+    "default": save_what_backward_reads,
+}
+
+
+def partition(graph: JointGraph, strategy: str) -> Split:
+    return split(graph, PARTITIONERS[strategy](graph))

@@ -1,0 +1,26 @@
+"""The "default" strategy: save every forward value the backward reads, as `jax.vjp` does."""
+from __future__ import annotations
+
+from jax.extend.core import Var
+
+from aotgrad.partition.graph import JointGraph
+
+__all__ = ["save_what_backward_reads"]
+
+
+def save_what_backward_reads(graph: JointGraph) -> dict[Var, str]:
+    """Saves the forward values read by backward equations or returned as gradients.
+    Constants (values that depend on no input) are rebuilt in the backward instead."""
+    saved: dict[Var, str] = {}
+
+    def visit(v: object) -> None:
+        if isinstance(v, Var) and v not in graph.backward and v in graph.input_dependent:
+            saved.setdefault(v, "read by the backward")
+
+    for eqn in graph.eqns:
+        if graph.is_backward_eqn(eqn):
+            for v in eqn.invars:
+                visit(v)
+    for v in graph.grads:
+        visit(v)
+    return saved

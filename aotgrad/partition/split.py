@@ -1,0 +1,89 @@
+"""Splitting the joint graph into a forward and a backward program, given a saved set.
+
+A strategy only decides *what to save*; this module builds the programs:
+- forward:  inputs -> (outputs, saved activations)
+- backward: (saved activations, saved inputs, cotangents) -> input cotangents
+Anything the backward needs that is neither saved nor a cotangent is recomputed there,
+from saved values, so a saved set must cut every path from the inputs to the backward.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+from jax.extend.core import ClosedJaxpr, Literal, Var
+
+from aotgrad.interpret import eval_eqns, read
+from aotgrad.partition.graph import JointGraph, live_eqns
+
+__all__ = ["Split", "split"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Split:
+    forward: ClosedJaxpr  # inputs -> outputs + saved activations
+    backward: ClosedJaxpr  # saved activations + saved inputs + cotangents -> grads
+    activations: tuple[Var, ...]  # joint-graph values the forward saves, in order
+    saved_inputs: tuple[int, ...]  # positions (among inputs) of inputs the backward reads
+    reasons: tuple[str, ...]  # why each activation, then each saved input, was saved
+    recomputed: tuple[tuple[str, int], ...]  # primitives recomputed in the backward, with counts
+    producers: tuple[Any, ...]  # the joint equation that produced each activation
+
+
+def split(graph: JointGraph, saved: dict[Var, str]) -> Split:
+    """Builds both programs. `saved` maps each saved joint value to the reason it is saved."""
+    jaxpr = graph.closed.jaxpr
+    consts = set(jaxpr.constvars)
+    input_pos = {v: i for i, v in enumerate(graph.inputs)}
+    bad = [v for v in saved if v in graph.backward]
+    if bad:
+        raise ValueError(f"partitioner error: cannot save cotangent-dependent values {bad}")
+    saved_inputs = tuple(sorted(input_pos[v] for v in saved if v in input_pos))
+    activations = tuple(v for v in _in_order(graph, saved) if v not in input_pos)
+
+    # Backward: everything the gradients need, cut at saved values and cotangents.
+    bwd_available = set(saved) | set(graph.cotangents) | consts
+    bwd_idx, free = live_eqns(graph.eqns, graph.grads, bwd_available,
+                              keep=lambda e: bool(e.effects) and graph.is_backward_eqn(e))
+    if free:
+        raise ValueError(f"partitioner error: the backward reads unsaved forward values {sorted(map(str, free))}")
+    recomputed = collections.Counter(
+        graph.eqns[i].primitive.name for i in bwd_idx if not graph.is_backward_eqn(graph.eqns[i]))
+
+    # Forward: the outputs and the saved activations, from the inputs.
+    fwd_idx, free = live_eqns(graph.eqns, list(graph.outputs) + list(activations),
+                              set(graph.inputs) | consts,
+                              keep=lambda e: bool(e.effects) and not graph.is_backward_eqn(e))
+    assert not free and not any(graph.is_backward_eqn(graph.eqns[i]) for i in fwd_idx)
+
+    fwd_in = list(graph.inputs)
+    bwd_in = list(activations) + [graph.inputs[i] for i in saved_inputs] + list(graph.cotangents)
+    forward = _emit(graph, fwd_idx, fwd_in, list(graph.outputs) + list(activations))
+    backward = _emit(graph, bwd_idx, bwd_in, list(graph.grads))
+    reasons = tuple(saved[v] for v in activations) + tuple(saved[graph.inputs[i]] for i in saved_inputs)
+    producers = tuple(graph.eqns[graph.producer[v]] for v in activations)
+    return Split(forward, backward, activations, saved_inputs, reasons,
+                 tuple(sorted(recomputed.items())), producers)
+
+
+def _in_order(graph: JointGraph, values: Sequence[Var]) -> list[Var]:
+    """Values in the order they are produced (inputs first): a stable, readable order."""
+    rank = {v: -len(graph.inputs) + i for i, v in enumerate(graph.inputs)}
+    return sorted(values, key=lambda v: rank.get(v, graph.producer.get(v, 0)))
+
+
+def _emit(graph: JointGraph, idx: list[int], invars: list[Var], outvars: list) -> ClosedJaxpr:
+    """Re-traces the selected joint equations into a closed jaxpr."""
+    jaxpr = graph.closed.jaxpr
+    eqns = [jaxpr.eqns[i] for i in idx]
+
+    def program(*args: Any) -> list[Any]:
+        env = dict(zip(jaxpr.constvars, graph.closed.consts))
+        env.update(zip(invars, args))
+        eval_eqns(eqns, env)
+        return [read(env, v) for v in outvars]
+
+    avals = [v.aval for v in invars]
+    return jax.make_jaxpr(program)(*avals)

@@ -1,0 +1,110 @@
+"""`aotgrad.explain`: what was saved, recomputed, and why, with the user's source lines."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr
+
+from aotgrad._jax_internals import source_line
+from aotgrad.api import AOTFunction
+from aotgrad.runtime import ProgramPair, Timings
+from aotgrad.signature import leaf_paths
+
+__all__ = ["Report", "SavedValue", "explain"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedValue:
+    """One value the forward program saves for the backward."""
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    is_input: bool
+    primitive: str  # the primitive that produced it ("input" for inputs)
+    source: str  # the user's source line (or the argument's path, for inputs)
+    reason: str  # why the partitioner saved it
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What `aotgrad.compile` builds for one call signature (every floating input
+    differentiated). `str(report)` is a readable table."""
+    function: str
+    partitioner: str
+    forward_jaxpr: ClosedJaxpr
+    backward_jaxpr: ClosedJaxpr
+    saved: tuple[SavedValue, ...]
+    saved_bytes: int  # activations, excluding inputs
+    saved_input_bytes: int
+    recomputed: tuple[tuple[str, int], ...]  # (primitive, count) recomputed in the backward
+    timings: Timings
+
+    def __str__(self) -> str:
+        rows = [("#", "shape", "dtype", "bytes", "kind", "produced by", "source", "why")]
+        for i, s in enumerate(self.saved):
+            rows.append((str(i), str(list(s.shape)), s.dtype, f"{s.nbytes:,}",
+                         "input" if s.is_input else "activation", s.primitive, s.source, s.reason))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = [f"aotgrad.explain({self.function}), partitioner={self.partitioner!r}"]
+        for k, r in enumerate(rows):
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+            if k == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        lines.append(f"saved activations: {_mb(self.saved_bytes)} in "
+                     f"{sum(not s.is_input for s in self.saved)} arrays; saved inputs: "
+                     f"{_mb(self.saved_input_bytes)} in {sum(s.is_input for s in self.saved)} arrays")
+        recomputed = ", ".join(f"{p} x{n}" for p, n in self.recomputed) or "nothing"
+        lines.append(f"recomputed in the backward: {recomputed}")
+        t = self.timings
+        lines.append(f"seconds: trace {t.trace:.3f}, partition {t.partition:.3f}, "
+                     f"lower {t.lower:.3f}, compile {t.compile:.3f}")
+        return "\n".join(lines)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.3f} MB ({n:,} bytes)"
+
+
+def _nbytes(aval: Any) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def explain(fn: Callable, *args: Any, **kwargs: Any) -> Report:
+    """Builds (or reuses) the programs for `fn(*args, **kwargs)`, differentiating every
+    floating-point input, compiles them, and reports what the forward saves.
+
+    `fn` may be an `aotgrad.compile`d function or a plain one; arguments may be arrays or
+    `jax.ShapeDtypeStruct`s.
+    """
+    f = fn if isinstance(fn, AOTFunction) else AOTFunction(fn)
+    call = f._resolve(args, kwargs)
+    pair = f._full_pair(call)
+    lowered_f, lowered_b, timings = pair.lower(call.inputs)
+    t0 = time.perf_counter()
+    lowered_f.compile(), lowered_b.compile()
+    timings = dataclasses.replace(timings, compile=time.perf_counter() - t0)
+    return _report(f, call, pair, timings)
+
+
+def _report(f: AOTFunction, call: Any, pair: ProgramPair, timings: Timings) -> Report:
+    sp = pair.split
+    n_consts = len(call.entry.fwd.consts)
+    paths = leaf_paths(f._spec, call.in_tree)
+    saved = []
+    for v, eqn, why in zip(sp.activations, sp.producers, sp.reasons):
+        saved.append(SavedValue(tuple(v.aval.shape), np.dtype(v.aval.dtype).name, _nbytes(v.aval),
+                                False, eqn.primitive.name, source_line(eqn), why))
+    for i, why in zip(sp.saved_inputs, sp.reasons[len(sp.activations):]):
+        aval = pair.in_avals[i]
+        where = f"closed-over constant {i}" if i < n_consts else f"argument {paths[i - n_consts]}"
+        saved.append(SavedValue(tuple(aval.shape), np.dtype(aval.dtype).name, _nbytes(aval),
+                                True, "input", where, why))
+    return Report(
+        function=f.name, partitioner=call.entry.strategy,
+        forward_jaxpr=sp.forward, backward_jaxpr=sp.backward, saved=tuple(saved),
+        saved_bytes=sum(s.nbytes for s in saved if not s.is_input),
+        saved_input_bytes=sum(s.nbytes for s in saved if s.is_input),
+        recomputed=sp.recomputed, timings=timings)

@@ -1,0 +1,201 @@
+"""How programs run: compiled program pairs, saved values, and the `jax.custom_vjp` glue
+that makes a compiled function differentiable by `jax.grad` / `jax.vjp`."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+from jax.extend.core import jaxpr_as_fun
+
+from aotgrad.config import config
+from aotgrad.partition import JointGraph, Split, partition
+from aotgrad.trace import ForwardTrace, differentiable, trace_joint
+
+__all__ = ["Entry", "ProgramPair", "Saved", "Timings"]
+
+logger = logging.getLogger("aotgrad")
+_dump_counter = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class Timings:
+    """Seconds spent building one program pair (lower/compile: only when asked for)."""
+    trace: float = 0.0
+    partition: float = 0.0
+    lower: float = 0.0
+    compile: float = 0.0
+
+
+def _sds(aval: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+@dataclasses.dataclass(eq=False)
+class ProgramPair:
+    """A forward and a backward program for one signature and one choice of differentiated
+    inputs (`perturbed`) and of outputs that receive cotangents (`has_ct`)."""
+    owner: str  # the function's name, for messages
+    owner_id: int  # id of the compiled function object, to recognise foreign `saved`
+    perturbed: tuple[bool, ...]
+    has_ct: tuple[bool, ...]
+    graph: JointGraph
+    split: Split
+    timings: Timings
+    in_avals: tuple[Any, ...]
+
+    def __post_init__(self) -> None:
+        self.forward = jax.jit(jaxpr_as_fun(self.split.forward))
+        self.backward = jax.jit(jaxpr_as_fun(self.split.backward))
+        self.n_outs = self.graph.n_outs
+        self.ct_avals = tuple(self.graph.closed.in_avals[self.graph.n_inputs:])  # one per has_ct output
+
+    @classmethod
+    def build(cls, owner: str, owner_id: int, fwd: ForwardTrace, perturbed: tuple[bool, ...],
+              has_ct: tuple[bool, ...], strategy: str) -> "ProgramPair":
+        t0 = time.perf_counter()
+        graph = trace_joint(fwd, perturbed, has_ct)
+        t1 = time.perf_counter()
+        sp = partition(graph, strategy)
+        t2 = time.perf_counter()
+        return cls(owner, owner_id, perturbed, has_ct, graph, sp, Timings(trace=t1 - t0, partition=t2 - t1),
+                   tuple(fwd.in_avals))
+
+    # ---------------------------------------------------------------- running
+
+    def run_forward(self, inputs: Sequence[Any]) -> tuple[list[Any], "Saved"]:
+        results = self.forward(*inputs)
+        outs, acts = results[:self.n_outs], results[self.n_outs:]
+        saved_inputs = [inputs[i] for i in self.split.saved_inputs]
+        return outs, Saved(tuple(acts) + tuple(saved_inputs), self)
+
+    def run_backward(self, saved: "Saved", cts: Sequence[Any]) -> list[Any]:
+        """`cts`: one cotangent per output that has one. Returns one cotangent per
+        perturbed input."""
+        return self.backward(*saved.arrays, *cts)
+
+    # ---------------------------------------------------------------- inspection
+
+    def lower(self, inputs: Sequence[Any]) -> tuple[Any, Any, Timings]:
+        """Lowers both programs (`jax.stages.Lowered`); inputs may be arrays or
+        ShapeDtypeStructs (shardings of arrays are kept)."""
+        t0 = time.perf_counter()
+        lowered_f = self.forward.lower(*inputs)
+        lowered_b = self.backward.lower(*[_sds(a) for a in self.split.backward.in_avals])
+        return lowered_f, lowered_b, dataclasses.replace(self.timings, lower=time.perf_counter() - t0)
+
+    def dump(self, directory: str, tag: str) -> None:
+        """Writes both programs' jaxprs and lowered text (config.debug_dir)."""
+        os.makedirs(directory, exist_ok=True)
+        lf, lb, _ = self.lower([_sds(a) for a in self.in_avals])
+        for name, text in (("forward.jaxpr", str(self.split.forward)),
+                           ("backward.jaxpr", str(self.split.backward)),
+                           ("forward.stablehlo.txt", lf.as_text()),
+                           ("backward.stablehlo.txt", lb.as_text())):
+            with open(os.path.join(directory, f"{tag}.{name}"), "w") as fh:
+                fh.write(text)
+
+
+@jax.tree_util.register_pytree_node_class
+class Saved:
+    """The values a forward program saved for its backward: a pytree whose leaves are the
+    saved `jax.Array`s (activations first, then saved inputs). It remembers which program
+    pair produced it, so a backward can refuse values saved by another function."""
+
+    def __init__(self, arrays: tuple[Any, ...], pair: ProgramPair) -> None:
+        self.arrays = tuple(arrays)
+        self.pair = pair
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], ProgramPair]:
+        return self.arrays, self.pair
+
+    @classmethod
+    def tree_unflatten(cls, pair: ProgramPair, arrays: Sequence[Any]) -> "Saved":
+        return cls(tuple(arrays), pair)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in self.arrays)
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{np.dtype(a.dtype).name}{list(a.shape)}" for a in self.arrays)
+        return f"Saved({self.pair.owner}: {shapes})"
+
+
+class Entry:
+    """Everything compiled for one call signature: the forward trace, the forward-only
+    program, program pairs per differentiation pattern, and the differentiable callable."""
+
+    def __init__(self, owner: str, owner_id: int, fwd: ForwardTrace, strategy: str,
+                 donate: tuple[int, ...]) -> None:
+        self.owner, self.owner_id = owner, owner_id
+        self.fwd = fwd
+        self.strategy = strategy
+        self.forward_only = jax.jit(fwd, donate_argnums=donate)
+        self.pairs: dict[tuple[tuple[bool, ...], tuple[bool, ...]], ProgramPair] = {}
+        self.call = self._differentiable()
+
+    def pair(self, perturbed: tuple[bool, ...], has_ct: tuple[bool, ...]) -> ProgramPair:
+        """The program pair for this differentiation pattern, built on first use."""
+        key = (perturbed, has_ct)
+        pair = self.pairs.get(key)
+        if pair is None:
+            if config.log_recompiles and self.pairs:
+                n = len(self.fwd.consts)
+                old = next(reversed(self.pairs))[0]
+                logger.warning("aotgrad: compiling %s again: differentiated inputs changed: %s -> %s",
+                               self.owner, _mask_text(old[n:]), _mask_text(perturbed[n:]))
+            pair = ProgramPair.build(self.owner, self.owner_id, self.fwd, perturbed, has_ct, self.strategy)
+            if config.debug_dir:
+                pair.dump(config.debug_dir, f"{_file_safe(self.owner)}-{next(_dump_counter)}")
+            self.pairs[key] = pair
+        return pair
+
+    def default_has_ct(self) -> tuple[bool, ...]:
+        return tuple(differentiable(a) for a in self.fwd.out_avals)
+
+    def _differentiable(self) -> Callable[..., Any]:
+        entry = self
+        has_ct = self.default_has_ct()
+
+        @jax.custom_vjp
+        def call(*inputs: Any) -> list[Any]:
+            return entry.forward_only(*inputs)
+
+        def fwd(*primals: Any) -> tuple[list[Any], Saved]:
+            perturbed = tuple(bool(p.perturbed) for p in primals)
+            pair = entry.pair(perturbed, has_ct)
+            return pair.run_forward([p.value for p in primals])
+
+        def bwd(saved: Saved, cts: Sequence[Any]) -> tuple[Any, ...]:
+            pair = saved.pair
+            real = [_instantiate(ct) for ct, c in zip(cts, has_ct) if c]
+            grads = iter(pair.run_backward(saved, real))
+            return tuple(next(grads) if p else None for p in pair.perturbed)
+
+        call.defvjp(fwd, bwd, symbolic_zeros=True)
+        return call
+
+
+def _mask_text(mask: Sequence[bool]) -> str:
+    """`[dd-]`: which inputs are differentiated (d) or not (-)."""
+    return "[" + "".join("d" if m else "-" for m in mask) + "]"
+
+
+def _file_safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def _instantiate(ct: Any) -> Any:
+    if isinstance(ct, SymbolicZero):
+        return jax.numpy.zeros(ct.aval.shape, ct.aval.dtype)
+    return ct
