@@ -11,13 +11,12 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.tree_util import (keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_structure,
-                           tree_unflatten)
+from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_structure, tree_unflatten
 
 from aotgrad._jax_internals import Tracer
 from aotgrad.config import config
 from aotgrad.runtime import Entry, ProgramPair, Saved, Timings
-from aotgrad.signature import ArgSpec, CallKey, describe_key_change, leaf_paths
+from aotgrad.signature import ArgSpec, CallKey, aval_key, describe_key_change, key_text, leaf_key
 from aotgrad.trace import differentiable, trace_forward
 
 __all__ = ["AOTFunction", "CacheInfo", "Compiled", "Lowered", "compile", "fwd_and_bwd"]
@@ -42,11 +41,9 @@ class CacheInfo:
 
 @dataclasses.dataclass(frozen=True)
 class _Call:
-    """One call, resolved: the entry, its flat inputs, and where each leaf came from."""
+    """One call, resolved: the entry and its flat inputs."""
     entry: Entry
     inputs: tuple[Any, ...]  # (consts..., leaves...)
-    in_tree: Any  # structure of (dynamic args, dynamic kwargs)
-    leaf_args: tuple[int, ...]  # for each leaf, the positional argument it belongs to (-1: kwarg)
 
 
 class AOTFunction:
@@ -100,37 +97,39 @@ class AOTFunction:
     def _resolve(self, args: tuple, kwargs: dict) -> _Call:
         static, dyn_args, dyn_kwargs = self._spec.split(args, kwargs)
         leaves, in_tree = self._spec.flatten(dyn_args, dyn_kwargs)
-        dyn_pos = [i for i in range(len(args)) if i not in self._spec.static_argnums
-                   and (i - len(args)) not in self._spec.static_argnums]
-        leaf_args = tuple(p for p, a in zip(dyn_pos, dyn_args) for _ in range(len(tree_leaves(a))))
-        leaf_args += (-1,) * (len(leaves) - len(leaf_args))
-        entry = self._entry(static, in_tree, leaves, leaf_args)
-        return _Call(entry, (*entry.fwd.consts, *leaves), in_tree, leaf_args)
-
-    def _entry(self, static: tuple, in_tree: Any, leaves: list, leaf_args: tuple[int, ...]) -> Entry:
         snapshot = config.snapshot()
-        key = CallKey(static, in_tree, tuple(map(jax.typeof, leaves)), snapshot.key)
-        with self._lock:
-            entry = self._cache.get(key)
-            if entry is not None:
+        key = CallKey(static, in_tree, tuple(map(leaf_key, leaves)), snapshot.key)
+        entry = self._cache.get(key)  # hit path without the lock: dict reads are atomic
+        if entry is not None:
+            try:
                 self._cache.move_to_end(key)
-                self._hits += 1
-                self._last_key = key
-                return entry
+            except KeyError:  # evicted by another thread meanwhile; still valid for this call
+                pass
+            self._hits += 1
+            self._last_key = key
+        else:
+            entry = self._build(key, snapshot, len(args), leaves)
+        return _Call(entry, (*entry.fwd.consts, *leaves))
+
+    def _build(self, key: CallKey, snapshot: Any, n_args: int, leaves: list) -> Entry:
+        """Cache miss: traces the forward and stores a new entry."""
+        with self._lock:
             self._misses += 1
             last = self._last_key
         if snapshot["log_recompiles"] and last is not None:
             logger.warning("aotgrad: compiling %s again: %s", self.name,
                            "; ".join(describe_key_change(self._spec, last, key)))
+        static, in_tree = key.static, key.in_tree
 
         def flat_fn(*flat: Any) -> Any:
             dyn_args, dyn_kwargs = tree_unflatten(in_tree, flat)
             a, k = self._spec.merge(static, dyn_args, dyn_kwargs)
             return self._fn(*a, **k)
 
-        fwd = trace_forward(flat_fn, self.name, key.avals)
-        donate = tuple(len(fwd.consts) + i for i, p in enumerate(leaf_args) if p in self._donate)
-        entry = Entry(self.name, id(self), fwd, snapshot["partitioner"], donate)
+        fwd = trace_forward(flat_fn, self.name, tuple(map(jax.typeof, leaves)))
+        arg_positions = tuple(i for i in range(n_args) if i not in self._spec.static_argnums
+                              and (i - n_args) not in self._spec.static_argnums)
+        entry = Entry(self.name, fwd, in_tree, arg_positions, snapshot["partitioner"], self._donate)
         if any(isinstance(c, Tracer) for c in fwd.consts):
             return entry  # closes over an enclosing transform's tracers: valid for this call only
         with self._lock:
@@ -145,7 +144,7 @@ class AOTFunction:
                         f"aotgrad.compile({self.name}) has compiled for more than "
                         f"cache_size_limit={limit} signatures; evicting the least recently used. "
                         f"Set aotgrad.config.log_recompiles = True to see why calls miss the cache, "
-                        f"or raise aotgrad.config.cache_size_limit.", stacklevel=4)
+                        f"or raise aotgrad.config.cache_size_limit.", stacklevel=5)
         return entry
 
     # ---------------------------------------------------------------- ahead of time
@@ -261,26 +260,17 @@ def fwd_and_bwd(fn: Callable, argnums: int | Sequence[int] = 0,
     if not nums:
         raise ValueError("aotgrad.fwd_and_bwd: argnums must name at least one argument.")
 
+    token = object()  # identifies this fwd_and_bwd in the entries and pairs it uses
+
     def fwd(*args: Any) -> tuple[Any, ...]:
-        bad = [i for i in nums if not -len(args) <= i < len(args)]
-        if bad:
-            raise ValueError(f"aotgrad.fwd_and_bwd({f.name}): argnums {bad} out of range for "
-                             f"{len(args)} positional arguments.")
         call = f._resolve(args, {})
-        entry = call.entry
-        n = len(entry.fwd.consts)
-        wanted = {i % len(args) for i in nums}
-        perturbed = (False,) * n + tuple(p in wanted and differentiable(a)
-                                         for p, a in zip(call.leaf_args, entry.fwd.in_avals[n:]))
-        has_ct = entry.default_has_ct()
-        if has_aux:
-            n_main = _n_main_outputs(f.name, entry.fwd.out_tree)
-            has_ct = has_ct[:n_main] + (False,) * (len(has_ct) - n_main)
-        pair = entry.pair(perturbed, has_ct)
-        if not hasattr(pair, "grad_layout"):
-            pair.grad_layout = _GradLayout.of(args, call, nums, has_aux)
+        pair = call.entry.plans.get(token)
+        if pair is None:
+            pair, layout = _plan(f.name, call.entry, len(args), nums, has_aux)
+            call.entry.plans[token] = pair
+            pair.layouts[token] = layout
         outs, saved = pair.run_forward(call.inputs)
-        out = tree_unflatten(entry.fwd.out_tree, outs)
+        out = tree_unflatten(call.entry.fwd.out_tree, outs)
         return (out[0], saved, out[1]) if has_aux else (out, saved)
 
     def bwd(saved: Saved, ct: Any) -> Any:
@@ -288,71 +278,96 @@ def fwd_and_bwd(fn: Callable, argnums: int | Sequence[int] = 0,
             raise TypeError(f"aotgrad.fwd_and_bwd({f.name}): bwd expects the `saved` returned by "
                             f"its fwd; got {type(saved).__name__}.")
         pair = saved.pair
-        layout = getattr(pair, "grad_layout", None)
-        if pair.owner_id != id(f) or layout is None or layout.nums != nums:
+        layout = pair.layouts.get(token)
+        if layout is None:
             raise ValueError(
-                f"aotgrad.fwd_and_bwd({f.name}): `saved` was produced by the forward of "
-                f"{pair.owner!r} with other differentiated arguments or another function; pass "
-                f"the `saved` returned by this fwd_and_bwd's own fwd.")
-        cts = _check_cotangent(f.name, pair, layout, ct)
-        grads = iter(pair.run_backward(saved, cts))
-        flat = [next(grads) if p else np.zeros(a.shape, jax.dtypes.float0)
-                for p, a in zip(pair.perturbed, pair.in_avals)]
-        per_arg = [tree_unflatten(t, flat[s:e]) for t, s, e in layout.arg_slices]
+                f"aotgrad.fwd_and_bwd({f.name}): `saved` was produced by another forward "
+                f"({saved.pair.owner!r}, or another fwd_and_bwd / argnums); pass the `saved` "
+                f"returned by this fwd_and_bwd's own fwd.")
+        grads = pair.run_backward(saved, _check_cotangent(f.name, pair, layout, ct))
+        per_arg = [tree_unflatten(tree, [grads[k] if isinstance(k, int) else k for k in picks])
+                   for tree, picks in layout.args]
         return per_arg[0] if single else tuple(per_arg)
 
     return fwd, bwd
 
 
+def _plan(name: str, entry: Entry, n_args: int, nums: tuple[int, ...],
+          has_aux: bool) -> tuple[ProgramPair, "_GradLayout"]:
+    """The program pair and gradient layout for one signature of a fwd_and_bwd."""
+    bad = [i for i in nums if not -n_args <= i < n_args]
+    if bad:
+        raise ValueError(f"aotgrad.fwd_and_bwd({name}): argnums {bad} out of range for "
+                         f"{n_args} positional arguments.")
+    wanted = {i % n_args for i in nums}
+    n = len(entry.fwd.consts)
+    perturbed = (False,) * n + tuple(p in wanted and differentiable(a)
+                                     for p, a in zip(entry.leaf_args, entry.fwd.in_avals[n:]))
+    has_ct = entry.default_has_ct()
+    out_tree = entry.fwd.out_tree
+    if has_aux:
+        children = out_tree.children()
+        if len(children) != 2:
+            raise TypeError(f"aotgrad.fwd_and_bwd({name}, has_aux=True): the function must return "
+                            f"a pair (output, aux); it returned a pytree of structure {out_tree}.")
+        out_tree = children[0]
+        has_ct = has_ct[:out_tree.num_leaves] + (False,) * (len(has_ct) - out_tree.num_leaves)
+    pair = entry.pair(perturbed, has_ct)
+    return pair, _GradLayout.of(entry, pair, nums, n_args, out_tree)
+
+
 @dataclasses.dataclass(frozen=True)
 class _GradLayout:
-    """How the flat input cotangents regroup into one pytree per differentiated argument."""
-    nums: tuple[int, ...]
-    arg_slices: tuple[tuple[Any, int, int], ...]  # (treedef, start, end) over inputs
+    """How the backward's outputs regroup into one pytree per differentiated argument, and
+    what the output cotangent must look like."""
+    args: tuple[tuple[Any, tuple[Any, ...]], ...]  # per argnum: (treedef, picks); a pick is an
+    # index into the backward's outputs, or a float0 zero for a leaf without a gradient
     out_tree: Any  # structure of the differentiated output (without aux)
     out_paths: tuple[str, ...]  # readable path of each output leaf
+    ct_keys: tuple[Any, ...]  # leaf_key of each output leaf
 
     @classmethod
-    def of(cls, args: tuple, call: _Call, nums: tuple[int, ...], has_aux: bool) -> "_GradLayout":
-        n = len(call.entry.fwd.consts)
-        slices = []
+    def of(cls, entry: Entry, pair: ProgramPair, nums: tuple[int, ...], n_args: int,
+           out_tree: Any) -> "_GradLayout":
+        n = len(entry.fwd.consts)
+        dyn_args, _ = tree_unflatten(entry.in_tree, [0] * entry.in_tree.num_leaves)
+        grad_index = {i: k for k, i in enumerate(i for i, p in enumerate(pair.perturbed) if p)}
+        args = []
         for i in nums:
-            pos = i % len(args)
-            idx = [n + j for j, p in enumerate(call.leaf_args) if p == pos]
-            start = idx[0] if idx else n
-            slices.append((tree_structure(args[pos]), start, start + len(idx)))
-        out_tree = call.entry.fwd.out_tree
-        if has_aux:
-            out_tree = out_tree.children()[0]
-        paths = tuple(keystr(p) for p, _ in tree_flatten_with_path(tree_unflatten(out_tree, [0] * out_tree.num_leaves))[0])
-        return cls(nums, tuple(slices), out_tree, paths)
+            pos = i % n_args
+            if pos not in entry.arg_positions:
+                raise ValueError(f"aotgrad.fwd_and_bwd({entry.owner}): argnums includes {i}, a "
+                                 f"static argument; only array arguments can be differentiated.")
+            leaves = [n + j for j, p in enumerate(entry.leaf_args) if p == pos]
+            picks = tuple(grad_index[j] if j in grad_index
+                          else np.zeros(pair.in_avals[j].shape, jax.dtypes.float0) for j in leaves)
+            args.append((tree_structure(dyn_args[entry.arg_positions.index(pos)]), picks))
+        dummy = tree_unflatten(out_tree, [0] * out_tree.num_leaves)
+        paths = tuple(keystr(p) for p, _ in tree_flatten_with_path(dummy)[0])
+        keys = tuple(aval_key(a) for a in entry.fwd.out_avals[:out_tree.num_leaves])
+        return cls(tuple(args), out_tree, paths, keys)
 
 
-def _n_main_outputs(name: str, out_tree: Any) -> int:
-    children = out_tree.children()
-    if out_tree.num_nodes < 1 or len(children) != 2:
-        raise TypeError(f"aotgrad.fwd_and_bwd({name}, has_aux=True): the function must return a "
-                        f"pair (output, aux); it returned a pytree of structure {out_tree}.")
-    return children[0].num_leaves
-
-
-def _check_cotangent(name: str, pair: ProgramPair, layout: "_GradLayout", ct: Any) -> list[Any]:
+def _check_cotangent(name: str, pair: ProgramPair, layout: _GradLayout, ct: Any) -> list[Any]:
     """Validates `ct` against the output; returns the cotangents of outputs that take one."""
     leaves, tree = tree_flatten(ct)
     if tree != layout.out_tree:
         raise ValueError(f"aotgrad.fwd_and_bwd({name}): the cotangent has structure {tree}; "
                          f"expected the output's structure {layout.out_tree}.")
+    if all(pair.has_ct) and tuple(map(leaf_key, leaves)) == layout.ct_keys:
+        return leaves  # the common case, checked at once
     cts = []
     for j, (leaf, take) in enumerate(zip(leaves, pair.has_ct)):
         if not take:
             continue
-        want = pair.graph.closed.out_avals[j]
-        got = jax.typeof(leaf)
-        if got.shape == want.shape and got.weak_type and np.dtype(got.dtype).kind == np.dtype(want.dtype).kind:
-            leaf = jax.numpy.asarray(leaf, want.dtype)  # a Python scalar for a scalar output
-        elif got.shape != want.shape or got.dtype != want.dtype:
-            raise ValueError(
-                f"aotgrad.fwd_and_bwd({name}): the cotangent at ct{layout.out_paths[j]} is "
-                f"{got.str_short()}; expected {want.str_short()} (the output's shape and dtype).")
+        got, want = leaf_key(leaf), layout.ct_keys[j]
+        if got != want:
+            if got[:2] == want[:2] or (got[0] == want[0] and got[2]):  # weak scalar: take its value
+                leaf = jax.numpy.asarray(leaf, want[1])
+            else:
+                raise ValueError(
+                    f"aotgrad.fwd_and_bwd({name}): the cotangent at ct{layout.out_paths[j]} is "
+                    f"{key_text(got)}; expected {key_text(want)}, the shape and dtype of the "
+                    f"output of the forward that produced `saved`.")
         cts.append(leaf)
     return cts

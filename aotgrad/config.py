@@ -210,7 +210,8 @@ class Config:
 
     def snapshot(self) -> Snapshot:
         """The effective options for the current context (cheap: cached per state)."""
-        state = (self._version, self._overrides.get())
+        overrides = self._overrides.get()
+        state = (self._version, overrides)
         snap = self._snapshots.get(state)
         if snap is None:
             merged = dict(self._defaults)

@@ -92,7 +92,7 @@ def explain(fn: Callable, *args: Any, **kwargs: Any) -> Report:
 def _report(f: AOTFunction, call: Any, pair: ProgramPair, timings: Timings) -> Report:
     sp = pair.split
     n_consts = len(call.entry.fwd.consts)
-    paths = leaf_paths(f._spec, call.in_tree)
+    paths = leaf_paths(f._spec, call.entry.in_tree)
     saved = []
     for v, eqn, why in zip(sp.activations, sp.producers, sp.reasons):
         saved.append(SavedValue(tuple(v.aval.shape), np.dtype(v.aval.dtype).name, _nbytes(v.aval),

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import jaxpr_as_fun
+from jax.tree_util import tree_leaves, tree_unflatten
 
 from aotgrad.config import config
 from aotgrad.partition import JointGraph, Split, partition
@@ -42,7 +43,6 @@ class ProgramPair:
     """A forward and a backward program for one signature and one choice of differentiated
     inputs (`perturbed`) and of outputs that receive cotangents (`has_ct`)."""
     owner: str  # the function's name, for messages
-    owner_id: int  # id of the compiled function object, to recognise foreign `saved`
     perturbed: tuple[bool, ...]
     has_ct: tuple[bool, ...]
     graph: JointGraph
@@ -55,16 +55,17 @@ class ProgramPair:
         self.backward = jax.jit(jaxpr_as_fun(self.split.backward))
         self.n_outs = self.graph.n_outs
         self.ct_avals = tuple(self.graph.closed.in_avals[self.graph.n_inputs:])  # one per has_ct output
+        self.layouts: dict[object, Any] = {}  # per fwd_and_bwd: how its bwd regroups gradients
 
     @classmethod
-    def build(cls, owner: str, owner_id: int, fwd: ForwardTrace, perturbed: tuple[bool, ...],
+    def build(cls, owner: str, fwd: ForwardTrace, perturbed: tuple[bool, ...],
               has_ct: tuple[bool, ...], strategy: str) -> "ProgramPair":
         t0 = time.perf_counter()
         graph = trace_joint(fwd, perturbed, has_ct)
         t1 = time.perf_counter()
         sp = partition(graph, strategy)
         t2 = time.perf_counter()
-        return cls(owner, owner_id, perturbed, has_ct, graph, sp, Timings(trace=t1 - t0, partition=t2 - t1),
+        return cls(owner, perturbed, has_ct, graph, sp, Timings(trace=t1 - t0, partition=t2 - t1),
                    tuple(fwd.in_avals))
 
     # ---------------------------------------------------------------- running
@@ -135,13 +136,21 @@ class Entry:
     """Everything compiled for one call signature: the forward trace, the forward-only
     program, program pairs per differentiation pattern, and the differentiable callable."""
 
-    def __init__(self, owner: str, owner_id: int, fwd: ForwardTrace, strategy: str,
-                 donate: tuple[int, ...]) -> None:
-        self.owner, self.owner_id = owner, owner_id
+    def __init__(self, owner: str, fwd: ForwardTrace, in_tree: Any, arg_positions: tuple[int, ...],
+                 strategy: str, donate_argnums: tuple[int, ...]) -> None:
+        self.owner = owner
         self.fwd = fwd
+        self.in_tree = in_tree  # of (dynamic args, dynamic kwargs)
+        self.arg_positions = arg_positions  # position among all arguments of each dynamic arg
+        # The positional argument each leaf belongs to (-1: a keyword argument).
+        dyn_args, dyn_kwargs = tree_unflatten(in_tree, [0] * in_tree.num_leaves)
+        self.leaf_args = tuple(p for p, a in zip(arg_positions, dyn_args) for _ in tree_leaves(a))
+        self.leaf_args += (-1,) * (in_tree.num_leaves - len(self.leaf_args))
         self.strategy = strategy
+        donate = tuple(len(fwd.consts) + i for i, p in enumerate(self.leaf_args) if p in donate_argnums)
         self.forward_only = jax.jit(fwd, donate_argnums=donate)
         self.pairs: dict[tuple[tuple[bool, ...], tuple[bool, ...]], ProgramPair] = {}
+        self.plans: dict[object, ProgramPair] = {}  # the pair each fwd_and_bwd uses
         self.call = self._differentiable()
 
     def pair(self, perturbed: tuple[bool, ...], has_ct: tuple[bool, ...]) -> ProgramPair:
@@ -154,7 +163,7 @@ class Entry:
                 old = next(reversed(self.pairs))[0]
                 logger.warning("aotgrad: compiling %s again: differentiated inputs changed: %s -> %s",
                                self.owner, _mask_text(old[n:]), _mask_text(perturbed[n:]))
-            pair = ProgramPair.build(self.owner, self.owner_id, self.fwd, perturbed, has_ct, self.strategy)
+            pair = ProgramPair.build(self.owner, self.fwd, perturbed, has_ct, self.strategy)
             if config.debug_dir:
                 pair.dump(config.debug_dir, f"{_file_safe(self.owner)}-{next(_dump_counter)}")
             self.pairs[key] = pair

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -12,13 +12,15 @@ from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unf
 
 from aotgrad._jax_internals import Tracer
 
-__all__ = ["ArgSpec", "CallKey", "check_output_leaves", "describe_key_change", "leaf_paths"]
+__all__ = ["ArgSpec", "CallKey", "aval_key", "check_output_leaves", "describe_key_change", "key_text",
+           "leaf_key", "leaf_paths"]
 
 _SCALARS = (bool, int, float, complex, np.generic)
+_ArrayImpl = type(jax.numpy.zeros(()))
 
 
 def _is_array_like(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, Tracer, jax.ShapeDtypeStruct, *_SCALARS))
+    return type(x) is _ArrayImpl or isinstance(x, (jax.Array, np.ndarray, Tracer, jax.ShapeDtypeStruct, *_SCALARS))
 
 
 def _describe(x: Any) -> str:
@@ -26,13 +28,29 @@ def _describe(x: Any) -> str:
     return f"{type(x).__name__} ({text[:60] + '...' if len(text) > 60 else text})"
 
 
-@dataclasses.dataclass(frozen=True)
-class CallKey:
-    """Everything that decides which programs a call needs."""
+class CallKey(NamedTuple):
+    """Everything that decides which programs a call needs (a tuple: cheap to hash)."""
     static: tuple[Hashable, ...]  # (position or name, value) of static arguments
     in_tree: Any  # PyTreeDef of (dynamic args, dynamic kwargs)
-    avals: tuple[Any, ...]  # one abstract value per dynamic leaf
+    leaves: tuple[tuple, ...]  # `leaf_key` of each dynamic leaf
     options: tuple[tuple[str, Any], ...]  # keyed config options
+
+
+def aval_key(aval: Any) -> tuple:
+    """(shape, dtype, weak_type), plus the varying manual axes inside `shard_map`."""
+    vma = getattr(aval, "vma", None)
+    base = (aval.shape, aval.dtype, aval.weak_type)
+    return base + (vma,) if vma else base
+
+
+def leaf_key(x: Any) -> tuple:
+    """What tracing needs to know about one argument leaf; fast for concrete arrays."""
+    return aval_key(x.aval if type(x) is _ArrayImpl else jax.typeof(x))
+
+
+def key_text(key: tuple) -> str:
+    shape, dtype, weak = key[:3]
+    return f"{'~' if weak else ''}{np.dtype(dtype).name}{list(shape)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +83,8 @@ class ArgSpec:
 
     def split(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple, dict]:
         """Returns (static items, dynamic args, dynamic kwargs); static values are checked."""
+        if not self.static_argnums and not self.static_argnames:
+            return (), args, kwargs
         static: list[tuple[Hashable, Any]] = []
         dyn_args = []
         for i, a in enumerate(args):
@@ -156,10 +176,9 @@ def describe_key_change(spec: ArgSpec, old: CallKey, new: CallKey) -> list[str]:
         reasons.append(f"argument structure changed: {old.in_tree} -> {new.in_tree}")
     else:
         paths = leaf_paths(spec, new.in_tree)
-        for path, a, b in zip(paths, old.avals, new.avals):
+        for path, a, b in zip(paths, old.leaves, new.leaves):
             if a != b:
-                reasons.append(f"argument {path} changed: {a.str_short()} -> {b.str_short()}"
-                               + (" (weak type)" if a.strip_weak_type() == b.strip_weak_type() else ""))
+                reasons.append(f"argument {path} changed: {key_text(a)} -> {key_text(b)}")
     if old.static != new.static:
         old_s, new_s = dict(old.static), dict(new.static)
         for k in sorted(set(old_s) | set(new_s), key=str):
