@@ -1,0 +1,347 @@
+"""The compile pipeline's contract: paths taken, caching, AOT stages, explain, bad input."""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import aotgrad
+
+
+def _mlp(params, x):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"]) ** 2)
+
+
+def _params(key=0):
+    k1, k2 = jax.random.split(jax.random.key(key))
+    return {"w1": jax.random.normal(k1, (6, 8)) * 0.3, "b1": jnp.zeros(8),
+            "w2": jax.random.normal(k2, (8, 2)) * 0.3}
+
+
+X = jnp.linspace(-1.0, 1.0, 24).reshape(4, 6)
+
+
+def _entry(f):
+    (entry,) = f._cache.values()
+    return entry
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=rtol, atol=atol), a, b)
+
+
+# ----------------------------------------------------------------------------- paths
+
+def test_inference_runs_forward_only_program():
+    f = aotgrad.compile(_mlp)
+    np.testing.assert_allclose(f(_params(), X), _mlp(_params(), X), rtol=1e-6)
+    jax.jit(f)(_params(), X)
+    info = f.cache_info()
+    assert info.pairs == 0, "inference must not build a forward program that saves values"
+    # The forward-only program returns only the output: nothing saved.
+    (out_aval,) = _entry(f).forward_only.trace(*_entry(f).fwd.consts, *jax.tree.leaves(_params()), X).out_info
+    assert out_aval.shape == ()
+
+
+def test_grad_builds_one_pair_and_reuses_it():
+    f = aotgrad.compile(_mlp)
+    g1 = jax.grad(f)(_params(), X)
+    g2 = jax.grad(f)(_params(1), X)
+    assert f.cache_info().pairs == 1
+    assert f.cache_info().hits == 1
+    assert_trees_close(g1, jax.grad(_mlp)(_params(), X))
+    assert_trees_close(g2, jax.grad(_mlp)(_params(1), X))
+
+
+def test_backward_only_computes_requested_gradients():
+    f = aotgrad.compile(_mlp)
+    gx = jax.grad(f, argnums=1)(_params(), X)
+    np.testing.assert_allclose(gx, jax.grad(_mlp, argnums=1)(_params(), X), rtol=1e-5, atol=1e-7)
+    (pair,) = _entry(f).pairs.values()
+    assert len(pair.split.backward.out_avals) == 1  # only x's cotangent
+    assert [a.shape for a in pair.split.backward.out_avals] == [(4, 6)]
+    jax.grad(f)(_params(), X)
+    assert f.cache_info().pairs == 2  # the differentiated inputs are part of the key
+    backward_outs = sorted(len(p.split.backward.out_avals) for p in _entry(f).pairs.values())
+    assert backward_outs == [1, 3]
+
+
+def test_fwd_and_bwd_only_requested_argnums():
+    fwd, bwd = aotgrad.fwd_and_bwd(_mlp, argnums=1)
+    out, saved = fwd(_params(), X)
+    assert len(saved.pair.split.backward.out_avals) == 1
+    gx = bwd(saved, jnp.ones_like(out))
+    np.testing.assert_allclose(gx, jax.grad(_mlp, argnums=1)(_params(), X), rtol=1e-5, atol=1e-7)
+
+
+def test_saved_is_a_pytree_of_arrays():
+    fwd, bwd = aotgrad.fwd_and_bwd(_mlp, argnums=0)
+    out, saved = fwd(_params(), X)
+    leaves = jax.tree.leaves(saved)
+    assert leaves and all(isinstance(a, jax.Array) for a in leaves)
+    assert saved.nbytes == sum(a.nbytes for a in leaves)
+    moved = jax.tree.map(lambda a: jax.device_put(np.asarray(a)), saved)  # offload and back
+    assert_trees_close(bwd(moved, 1.0), jax.grad(_mlp)(_params(), X))
+
+
+def test_saved_inputs_appear_once():
+    def f(x, w):
+        return jnp.sum((x @ w) * (x @ w) + jnp.sin(x) @ w)
+    report = aotgrad.explain(f, X, jnp.ones((6, 3)))
+    inputs = [s for s in report.saved if s.is_input]
+    assert sorted(s.source for s in inputs) == ["argument w", "argument x"]
+    assert report.saved_input_bytes == X.nbytes + 6 * 3 * 4
+
+
+def test_closed_over_tracers_get_gradients():
+    def outer(w, x):
+        inner = aotgrad.compile(lambda x: jnp.sum(jnp.sin(x * w)))
+        return inner(x)
+    want = jax.grad(lambda w, x: jnp.sum(jnp.sin(x * w)), argnums=(0, 1))(X, X + 1)
+    assert_trees_close(jax.grad(outer, argnums=(0, 1))(X, X + 1), want)
+    assert_trees_close(jax.jit(jax.grad(outer, argnums=(0, 1)))(X, X + 1), want)
+
+
+def test_closed_over_constants_are_inputs_not_baked_in():
+    w = jnp.arange(6.0)
+    f = aotgrad.compile(lambda x: jnp.sum(jnp.cos(x * w)))
+    np.testing.assert_allclose(jax.grad(f)(X), -jnp.sin(X * w) * w, rtol=1e-6)
+    assert len(_entry(f).fwd.consts) == 1
+
+
+def test_static_and_keyword_arguments():
+    @aotgrad.compile(static_argnames="power")
+    def f(x, *, scale, power):
+        return jnp.sum(scale * x ** power)
+
+    g = jax.grad(f)(X, scale=2.0, power=3)
+    np.testing.assert_allclose(g, 6.0 * X ** 2, rtol=1e-6)
+    f(X, scale=2.0, power=2)
+    assert f.cache_info().entries == 2
+
+
+def test_method_decoration():
+    class Model:
+        def __init__(self, k):
+            self.k = k
+
+        @aotgrad.compile(static_argnums=0)
+        def loss(self, x):
+            return jnp.sum(x ** 2) * self.k
+
+        def __hash__(self):
+            return hash(self.k)
+
+        def __eq__(self, other):
+            return isinstance(other, Model) and other.k == self.k
+
+    np.testing.assert_allclose(jax.grad(Model(3.0).loss)(X), 6.0 * X, rtol=1e-6)
+
+
+def test_donated_argument_is_consumed_on_cpu_or_ignored():
+    f = aotgrad.compile(lambda x, y: x * 2 + y, donate_argnums=0)
+    x = jnp.ones(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # some backends cannot donate and say so
+        np.testing.assert_allclose(f(x, jnp.ones(4)), 3.0)
+
+
+def test_lower_without_data():
+    f = aotgrad.compile(_mlp)
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (_params(), X))
+    lowered = f.lower(*specs)
+    assert "stablehlo" in lowered.as_text() or "func.func" in lowered.as_text()
+    compiled = lowered.compile()
+    mem = compiled.memory_analysis()
+    assert set(mem) == {"forward", "backward"}
+    assert mem["forward"].output_size_in_bytes > 4  # the output and the saved values
+    cost = compiled.cost_analysis()
+    assert set(cost) == {"forward", "backward"}
+    assert "forward" in compiled.as_text() and "backward" in compiled.as_text()
+    assert compiled.timings.compile > 0 and compiled.timings.lower > 0
+
+
+def test_explain_report():
+    report = aotgrad.explain(_mlp, _params(), X)
+    acts = [s for s in report.saved if not s.is_input]
+    assert report.saved_bytes == sum(s.nbytes for s in acts) > 0
+    assert all(s.nbytes == int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in report.saved)
+    assert any("test_api.py" in s.source for s in acts), [s.source for s in acts]
+    assert {s.primitive for s in acts} >= {"tanh"}
+    assert report.forward_jaxpr.jaxpr.eqns and report.backward_jaxpr.jaxpr.eqns
+    t = report.timings
+    assert t.trace > 0 and t.partition > 0 and t.lower > 0 and t.compile > 0
+    text = str(report)
+    assert "saved activations" in text and "tanh" in text and "recomputed" in text
+    # The default strategy saves what jax.vjp saves.
+    _, vjp = jax.vjp(_mlp, _params(), X)
+    jax_bytes = sum(a.nbytes for a in jax.tree.leaves(vjp))
+    assert report.saved_bytes + report.saved_input_bytes <= jax_bytes + X.nbytes
+
+
+def test_cache_limit_evicts_and_warns_once():
+    f = aotgrad.compile(lambda x: jnp.sum(x ** 2))
+    with aotgrad.config.patch(cache_size_limit=2):
+        with pytest.warns(UserWarning, match="cache_size_limit=2") as record:
+            for n in range(1, 6):
+                f(jnp.ones(n))
+    assert len([w for w in record if "cache_size_limit" in str(w.message)]) == 1
+    assert f.cache_info().entries == 2
+    assert [k.leaves[0][0] for k in f._cache] == [(4,), (5,)]
+
+
+def test_log_recompiles_names_the_cause(caplog):
+    f = aotgrad.compile(lambda params, x: jnp.sum(params["w"] * x))
+    with aotgrad.config.patch(log_recompiles=True), caplog.at_level(logging.WARNING, "aotgrad"):
+        f({"w": jnp.ones(3)}, jnp.ones(3))
+        f({"w": jnp.ones(4)}, jnp.ones(4))
+        f({"w": jnp.ones(4, jnp.bfloat16)}, jnp.ones(4))
+        with aotgrad.config.patch(backward_pass_autocast="off"):
+            f({"w": jnp.ones(4, jnp.bfloat16)}, jnp.ones(4))
+        jax.grad(f)({"w": jnp.ones(4, jnp.bfloat16)}, jnp.ones(4))
+        jax.grad(f, argnums=1)({"w": jnp.ones(4, jnp.bfloat16)}, jnp.ones(4))
+    text = caplog.text
+    assert "argument params['w'] changed: float32[3] -> float32[4]" in text
+    assert "argument params['w'] changed: float32[4] -> bfloat16[4]" in text
+    assert "option aotgrad.config.backward_pass_autocast changed: 'same_as_forward' -> 'off'" in text
+    assert "differentiated inputs changed: [d-] -> [-d]" in text
+    assert text.count("compiling") == 4  # the call after the patch reuses the first entry
+
+
+def test_debug_dir_dumps_both_programs(tmp_path):
+    f = aotgrad.compile(_mlp)
+    with aotgrad.config.patch(debug_dir=str(tmp_path)):
+        jax.grad(f)(_params(), X)
+    names = sorted(os.listdir(tmp_path))
+    kinds = {n.split(".", 1)[1] for n in names}
+    assert kinds == {"forward.jaxpr", "backward.jaxpr", "forward.stablehlo.txt", "backward.stablehlo.txt"}
+    assert "tanh" in (tmp_path / [n for n in names if n.endswith("forward.jaxpr")][0]).read_text()
+
+
+def test_dropped_function_frees_its_cache():
+    import gc
+    import weakref
+    f = aotgrad.compile(lambda x: jnp.sum(jnp.exp(x)))
+    jax.grad(f)(X)
+    ref = weakref.ref(_entry(f))
+    del f
+    gc.collect()
+    assert ref() is None
+
+
+# ----------------------------------------------------------------------------- forward mode, loops
+
+def test_forward_mode_says_reverse_only():
+    f = aotgrad.compile(lambda x: jnp.sin(x))
+    with pytest.raises(TypeError, match="reverse-mode only.*jax.jacrev"):
+        jax.jvp(f, (X,), (X,))
+    with pytest.raises(TypeError, match="reverse-mode only"):
+        jax.jacfwd(f)(jnp.ones(3))
+
+
+def test_while_loop_forward_works_and_grad_gives_jax_error():
+    def loop(x):
+        return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 1.5), (0, x))[1]
+    f = aotgrad.compile(loop)
+    np.testing.assert_allclose(f(X), loop(X), rtol=1e-6)
+    with pytest.raises(ValueError, match="Reverse-mode differentiation does not work for lax.while_loop"):
+        jax.grad(lambda x: jnp.sum(f(x)))(X)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_non_array_leaf_names_path():
+    f = aotgrad.compile(lambda p, x: p["w"] * x)
+    with pytest.raises(TypeError, match=r"argument p\['cfg'\]\['act'\] is a str \('relu'\)"):
+        f({"w": jnp.ones(2), "cfg": {"act": "relu"}}, jnp.ones(2))
+    with pytest.raises(TypeError, match=r"argument x is a object"):
+        f({"w": jnp.ones(2)}, object())
+
+
+def test_static_argnums_pointing_at_array():
+    f = aotgrad.compile(lambda x, n: x * n, static_argnums=1)
+    with pytest.raises(TypeError, match=r"marks argument 1 \(n\) as static, but it is an array"):
+        f(jnp.ones(2), jnp.ones(2))
+    with pytest.raises(TypeError, match="not hashable"):
+        f(jnp.ones(2), [1, 2])
+
+
+def test_static_and_donated_clash():
+    with pytest.raises(ValueError, match="both donate_argnums and static_argnums"):
+        aotgrad.compile(lambda x, n: x, static_argnums=1, donate_argnums=1)
+
+
+def test_not_callable():
+    with pytest.raises(TypeError, match="expects a callable"):
+        aotgrad.compile(3)
+
+
+def test_function_returning_non_array():
+    f = aotgrad.compile(lambda x: {"y": x, "name": "hello"})
+    with pytest.raises(TypeError, match=r"returned a str \('hello'\) at output out\['name'\]"):
+        f(jnp.ones(2))
+
+
+def test_bwd_rejects_wrong_cotangent():
+    fwd, bwd = aotgrad.fwd_and_bwd(lambda x: jnp.sin(x) * 2)
+    out, saved = fwd(jnp.ones(3))
+    with pytest.raises(ValueError, match=r"cotangent at ct is float32\[4\]; expected float32\[3\]"):
+        bwd(saved, jnp.ones(4))
+    with pytest.raises(ValueError, match=r"cotangent at ct is int32\[3\]; expected float32\[3\]"):
+        bwd(saved, jnp.ones(3, jnp.int32))
+    with pytest.raises(ValueError, match="has structure"):
+        bwd(saved, (jnp.ones(3),))
+
+
+def test_bwd_rejects_foreign_saved():
+    fwd, bwd = aotgrad.fwd_and_bwd(lambda x: jnp.sin(x) * 2)
+    fwd2, _ = aotgrad.fwd_and_bwd(lambda x: jnp.cos(x) * 2)
+    fwd3, _ = aotgrad.fwd_and_bwd(lambda x, y: x * y, argnums=(0, 1))
+    _, saved2 = fwd2(jnp.ones(3))
+    _, saved3 = fwd3(jnp.ones(3), jnp.ones(3))
+    with pytest.raises(ValueError, match="produced by another forward"):
+        bwd(saved2, jnp.ones(3))
+    with pytest.raises(ValueError, match="produced by another forward"):
+        bwd(saved3, jnp.ones(3))
+    with pytest.raises(TypeError, match="expects the `saved` returned by its fwd"):
+        bwd([jnp.ones(3)], jnp.ones(3))
+
+
+def test_saved_of_another_signature_cannot_take_a_mismatched_cotangent():
+    fwd, bwd = aotgrad.fwd_and_bwd(lambda x: jnp.sin(x) * 2)
+    _, saved5 = fwd(jnp.ones(5))
+    with pytest.raises(ValueError, match=r"expected float32\[5\].*forward that produced `saved`"):
+        bwd(saved5, jnp.ones(3))
+    np.testing.assert_allclose(bwd(saved5, jnp.ones(5)), 2 * jnp.cos(jnp.ones(5)), rtol=1e-6)
+
+
+def test_fwd_and_bwd_bad_argnums():
+    fwd, _ = aotgrad.fwd_and_bwd(lambda x: x * 2, argnums=3)
+    with pytest.raises(ValueError, match=r"argnums \[3\] out of range for 1 positional"):
+        fwd(jnp.ones(2))
+    with pytest.raises(ValueError, match="must name at least one"):
+        aotgrad.fwd_and_bwd(lambda x: x, argnums=())
+
+
+def test_has_aux_requires_a_pair():
+    fwd, _ = aotgrad.fwd_and_bwd(lambda x: jnp.sum(x), has_aux=True)
+    with pytest.raises(TypeError, match=r"must return a pair \(output, aux\)"):
+        fwd(jnp.ones(2))
+
+
+def test_has_aux():
+    def f(x):
+        return jnp.sum(x ** 2), {"mean": jnp.mean(x), "n": jnp.int32(3)}
+    fwd, bwd = aotgrad.fwd_and_bwd(f, has_aux=True)
+    out, saved, aux = fwd(X)
+    jfwd, jbwd = jax.fwd_and_bwd(f, argnums=0, has_aux=True)
+    jout, jres, jaux = jfwd(X)
+    assert_trees_close((out, aux), (jout, jaux))
+    assert_trees_close(bwd(saved, 1.0), jbwd(jres, jnp.ones(())))

@@ -1,0 +1,170 @@
+"""aotgrad.config: validation, patch semantics, threads, environment defaults, cache keys."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import aotgrad
+from aotgrad.config import ConfigError
+
+
+def test_defaults():
+    assert aotgrad.config.partitioner == "default"
+    assert aotgrad.config.backward_pass_autocast == "same_as_forward"
+    assert aotgrad.config.cache_size_limit >= 1
+    assert aotgrad.config.log_recompiles is False
+    assert aotgrad.config.debug_dir is None
+
+
+def test_unknown_option_lists_valid_names():
+    with pytest.raises(ConfigError, match=r"no option 'partitionr'.*'partitioner'"):
+        aotgrad.config.partitionr = "default"
+    with pytest.raises(ConfigError, match="no option 'nope'"):
+        aotgrad.config.patch(nope=1)
+    with pytest.raises(ConfigError, match="no option"):
+        _ = aotgrad.config.nope
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("partitioner", "fastest", r"must be one of \['default'"),
+    ("partitioner", 3, "must be one of"),
+    ("cache_size_limit", 0, "integer >= 1"),
+    ("cache_size_limit", "8", "integer >= 1"),
+    ("cache_size_limit", True, "integer >= 1"),
+    ("log_recompiles", "yes", "True or False"),
+    ("debug_dir", 5, "directory path or None"),
+    ("backward_pass_autocast", "on", "'same_as_forward', 'off'"),
+    ("backward_pass_autocast", {"dtype": "float32"}, r"\['dtype'\] must be one of \['float16', 'bfloat16'\]"),
+    ("backward_pass_autocast", {"device_type": "npu"}, r"\['device_type'\] must be one of"),
+    ("backward_pass_autocast", {"dtyp": "float16"}, r"unknown keys \['dtyp'\]"),
+    ("backward_pass_autocast", {"enabled": 1}, r"\['enabled'\] must be True or False"),
+    ("backward_pass_autocast", [], "non-empty list"),
+    ("backward_pass_autocast", [{"dtype": "bfloat16"}, "off"], r"\[1\] must be a dict"),
+])
+def test_bad_values_name_option_and_choices(name, value, message):
+    before = getattr(aotgrad.config, name)
+    with pytest.raises(ConfigError, match=message):
+        setattr(aotgrad.config, name, value)
+    with pytest.raises(ConfigError, match=message):
+        aotgrad.config.patch(**{name: value})
+    assert getattr(aotgrad.config, name) == before
+
+
+def test_backward_pass_autocast_accepts_and_normalizes():
+    with aotgrad.config.patch(backward_pass_autocast={"device_type": "cuda", "dtype": jnp.float16}):
+        value = aotgrad.config.backward_pass_autocast
+        assert value == ((("device_type", "gpu"), ("dtype", "float16"), ("enabled", True)),)
+    with aotgrad.config.patch(backward_pass_autocast=[{"dtype": "bfloat16"}, {"enabled": False}]):
+        assert len(aotgrad.config.backward_pass_autocast) == 2
+    with aotgrad.config.patch(backward_pass_autocast="off"):
+        assert aotgrad.config.backward_pass_autocast == "off"
+
+
+def test_patch_nests_and_restores_on_exception():
+    assert aotgrad.config.cache_size_limit == 64
+    with aotgrad.config.patch(cache_size_limit=3):
+        assert aotgrad.config.cache_size_limit == 3
+        with pytest.raises(RuntimeError):
+            with aotgrad.config.patch(cache_size_limit=5, log_recompiles=True):
+                assert aotgrad.config.cache_size_limit == 5
+                assert aotgrad.config.log_recompiles is True
+                raise RuntimeError("boom")
+        assert aotgrad.config.cache_size_limit == 3
+        assert aotgrad.config.log_recompiles is False
+    assert aotgrad.config.cache_size_limit == 64
+
+
+def test_patch_as_decorator_reentrant():
+    seen = []
+
+    @aotgrad.config.patch(cache_size_limit=7)
+    def inner(depth):
+        seen.append(aotgrad.config.cache_size_limit)
+        if depth:
+            inner(depth - 1)
+        return aotgrad.config.cache_size_limit
+
+    assert inner(2) == 7
+    assert seen == [7, 7, 7]
+    assert aotgrad.config.cache_size_limit == 64
+
+
+def test_global_assignment_and_patch_override():
+    try:
+        aotgrad.config.cache_size_limit = 11
+        assert aotgrad.config.cache_size_limit == 11
+        with aotgrad.config.patch(cache_size_limit=2):
+            assert aotgrad.config.cache_size_limit == 2
+        assert aotgrad.config.cache_size_limit == 11
+    finally:
+        aotgrad.config.cache_size_limit = 64
+
+
+def test_patch_is_per_thread():
+    barrier = threading.Barrier(2)
+    seen = {}
+
+    def worker(limit):
+        with aotgrad.config.patch(cache_size_limit=limit):
+            barrier.wait()
+            seen[limit] = aotgrad.config.cache_size_limit
+            barrier.wait()
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in (3, 9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {3: 3, 9: 9}
+    assert aotgrad.config.cache_size_limit == 64
+
+
+def test_environment_sets_defaults():
+    code = ("import aotgrad; c = aotgrad.config; "
+            "print(c.cache_size_limit, c.log_recompiles, c.backward_pass_autocast)")
+    env = dict(os.environ, AOTGRAD_CACHE_SIZE_LIMIT="5", AOTGRAD_LOG_RECOMPILES="1",
+               AOTGRAD_BACKWARD_PASS_AUTOCAST="off")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["5", "True", "off"]
+
+
+def test_bad_environment_value_names_the_variable():
+    env = dict(os.environ, AOTGRAD_PARTITIONER="fastest")
+    out = subprocess.run([sys.executable, "-c", "import aotgrad"], env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "AOTGRAD_PARTITIONER='fastest'" in out.stderr
+
+
+def test_changing_a_keyed_option_builds_new_programs():
+    @aotgrad.compile
+    def f(x):
+        return jnp.sum(jnp.sin(x) ** 2)
+
+    x = jnp.linspace(0.0, 1.0, 5)
+    g1 = jax.grad(f)(x)
+    with aotgrad.config.patch(backward_pass_autocast="off"):
+        g2 = jax.grad(f)(x)
+    g3 = jax.grad(f)(x)
+    info = f.cache_info()
+    assert info.entries == 2  # one per backward_pass_autocast value
+    assert info.misses == 2 and info.hits == 1
+    want = jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(x)
+    for g in (g1, g2, g3):
+        np.testing.assert_allclose(g, want, rtol=1e-6)
+
+
+def test_unkeyed_option_does_not_recompile():
+    f = aotgrad.compile(lambda x: x * 2.0)
+    x = jnp.ones(3)
+    f(x)
+    with aotgrad.config.patch(log_recompiles=True, cache_size_limit=10):
+        f(x)
+    assert f.cache_info().entries == 1
+    assert f.cache_info().misses == 1
