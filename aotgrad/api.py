@@ -25,9 +25,9 @@ logger = logging.getLogger("aotgrad")
 
 _FORWARD_MODE_HINT = (
     "aotgrad.compile({name}) is reverse-mode only: its backward is a separately compiled "
-    "program, so forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize of jvp, "
-    "jax.hessian) cannot pass through it. Use jax.grad / jax.vjp / jax.jacrev on the "
-    "compiled function, or call the undecorated function under forward mode.")
+    "program, so forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) cannot pass "
+    "through it. Use jax.grad / jax.vjp / jax.jacrev on the compiled function, or call the "
+    "undecorated function under forward mode.")
 
 
 @dataclasses.dataclass(frozen=True)
