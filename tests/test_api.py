@@ -345,3 +345,10 @@ def test_has_aux():
     jout, jres, jaux = jfwd(X)
     assert_trees_close((out, aux), (jout, jaux))
     assert_trees_close(bwd(saved, 1.0), jbwd(jres, jnp.ones(())))
+
+
+def test_hessian_forward_over_reverse_matches_jax():
+    def f(x):
+        return jnp.sum(jnp.sin(x) * x ** 2)
+    x = jnp.linspace(0.1, 1.0, 4)
+    np.testing.assert_allclose(jax.hessian(aotgrad.compile(f))(x), jax.hessian(f)(x), rtol=1e-5, atol=1e-6)
