@@ -1,0 +1,243 @@
+"""Strategies: ways of computing (loss, grads wrt params) for one workload.
+
+- `fused`: `jax.jit(jax.value_and_grad(loss))`, one XLA program (the speed reference);
+- `jax_fwd_and_bwd`: `jax.fwd_and_bwd(loss, argnums=0)`, separate forward and backward
+  programs with JAX's own residuals (the peer aotgrad is measured against);
+- `aotgrad:<name>`: `aotgrad.fwd_and_bwd(loss, argnums=0)` built under
+  `aotgrad.config.patch(partitioner=<name>)`, one per registered partitioner.
+
+`prepare(name, workload)` builds and warms a strategy and measures what does not need
+repeated timing (saved bytes, XLA temp memory, build seconds, gradient error inputs).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import time
+from typing import Any, Callable, ContextManager
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Var
+
+import aotgrad
+from aotgrad.partition import PARTITIONERS
+from benchmarks.workloads import Workload
+
+__all__ = ["AOTGRAD_PREFIX", "BASE_STRATEGIES", "BuildSeconds", "Prepared", "SavedBytes",
+           "TempBytes", "available", "expand", "prepare"]
+
+AOTGRAD_PREFIX = "aotgrad:"
+BASE_STRATEGIES = ("fused", "jax_fwd_and_bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedBytes:
+    """What the forward keeps for the backward: activations, and inputs it keeps (counted
+    separately: they exist anyway)."""
+    activations: int
+    inputs: int
+    arrays: int  # number of saved arrays
+    inputs_copied: int = 0  # bytes of `inputs` held in new buffers (copies), not the caller's
+
+
+@dataclasses.dataclass(frozen=True)
+class TempBytes:
+    """XLA scratch memory (`memory_analysis().temp_size_in_bytes`) of each program."""
+    forward: int | None
+    backward: int | None
+
+    @property
+    def peak(self) -> int | None:
+        vals = [v for v in (self.forward, self.backward) if v is not None]
+        return max(vals) if vals else None
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildSeconds:
+    """Seconds aotgrad spent building the programs (from `Compiled.timings`)."""
+    trace: float
+    partition: float
+    lower: float
+    compile: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A strategy built and warmed for one workload."""
+    name: str
+    step: Callable[[], Any]  # one forward + backward; returns (loss, grads), not yet blocked
+    context: Callable[[], ContextManager[Any]]  # enter around every call of `step`
+    grads: Any  # gradients from one step, for the error check
+    first_step_s: float  # the first call: tracing + compiling + one step
+    saved: SavedBytes | None
+    temp: TempBytes | None
+    build: BuildSeconds | None
+    notes: tuple[str, ...] = ()
+    block: Callable[[Any], Any] = jax.block_until_ready  # waits for a `step` result
+
+
+# ----------------------------------------------------------------------------- names
+
+def available() -> tuple[str, ...]:
+    """Every strategy this installation can run: the base ones plus one per partitioner."""
+    return BASE_STRATEGIES + tuple(AOTGRAD_PREFIX + p for p in PARTITIONERS)
+
+
+def expand(patterns: list[str]) -> tuple[list[str], list[str]]:
+    """Expands suite/flag patterns (exact names or globs such as ``aotgrad:*``) into
+    available strategies, in order, without duplicates. Returns (names, messages) where
+    messages explain patterns that matched nothing (e.g. a partitioner not registered
+    in this version of aotgrad)."""
+    have = available()
+    names: list[str] = []
+    messages: list[str] = []
+    for pat in patterns:
+        hits = [n for n in have if fnmatch.fnmatchcase(n, pat)]
+        if not hits:
+            if pat.startswith(AOTGRAD_PREFIX):
+                messages.append(f"skipping strategy {pat!r}: partitioner {pat[len(AOTGRAD_PREFIX):]!r} is not "
+                                f"registered in aotgrad.partition.PARTITIONERS (registered: {sorted(PARTITIONERS)})")
+            else:
+                messages.append(f"skipping strategy {pat!r}: unknown (available: {list(have)})")
+        names.extend(h for h in hits if h not in names)
+    return names, messages
+
+
+# ----------------------------------------------------------------------------- building
+
+def prepare(name: str, workload: Workload, memory: bool = True) -> Prepared:
+    """Builds, compiles and warms strategy `name` on `workload`. Raises on failure."""
+    if name == "fused":
+        return _fused(workload, memory)
+    if name == "jax_fwd_and_bwd":
+        return _jax_peer(workload, memory)
+    if name.startswith(AOTGRAD_PREFIX):
+        return _aotgrad(name, name[len(AOTGRAD_PREFIX):], workload, memory)
+    raise ValueError(f"unknown strategy {name!r}; available: {list(available())}")
+
+
+def _timed_first(step: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(step())
+    return out, time.perf_counter() - t0
+
+
+def _temp(compiled: Any) -> int | None:
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # some backends do not implement it
+        return None
+    return None if stats is None else int(stats.temp_size_in_bytes)
+
+
+def _fused(w: Workload, memory: bool) -> Prepared:
+    fn = jax.jit(jax.value_and_grad(w.loss_fn, argnums=0))
+    step = lambda: fn(w.params, w.batch)  # noqa: E731
+    (_, grads), first = _timed_first(step)
+    temp = TempBytes(_temp(fn.lower(w.params, w.batch).compile()), None) if memory else None
+    return Prepared("fused", step, contextlib.nullcontext, grads, first, None, temp, None)
+
+
+def _fwd_bwd_step(fwd: Callable, bwd: Callable, w: Workload) -> Callable[[], Any]:
+    ct = jnp.ones((), jnp.float32)  # d loss / d loss; built once, outside the timed region
+
+    def step() -> Any:
+        out, saved = fwd(w.params, w.batch)
+        return out, bwd(saved, ct)
+    return step
+
+
+def _buffer(x: Any) -> int | None:
+    try:
+        return x.unsafe_buffer_pointer()
+    except Exception:  # e.g. an array sharded over several devices
+        return None
+
+
+def _input_leaf_mask(w: Workload) -> list[bool]:
+    """For each residual leaf of `jax.fwd_and_bwd`'s forward: is it an input passed
+    through? (Found on the jaxpr of the unjitted forward: its output *is* an input.)
+    The jitted forward returns copies, so object identity cannot tell."""
+    fwd, _ = jax.fwd_and_bwd(w.loss_fn, argnums=0, jitted=False)
+    closed = jax.make_jaxpr(lambda p, b: jax.tree.leaves(fwd(p, b)[1]))(w.params, w.batch)
+    invars = set(closed.jaxpr.invars)
+    return [isinstance(v, Var) and v in invars for v in closed.jaxpr.outvars]
+
+
+def _jax_peer(w: Workload, memory: bool) -> Prepared:
+    fwd, bwd = jax.fwd_and_bwd(w.loss_fn, argnums=0)
+    step = _fwd_bwd_step(fwd, bwd, w)
+    (_, grads), first = _timed_first(step)
+    out, residuals = fwd(w.params, w.batch)
+    leaves = jax.tree.leaves(residuals)
+    mask = _input_leaf_mask(w)
+    notes: tuple[str, ...] = ()
+    if len(mask) != len(leaves):
+        notes = (f"could not match residuals to inputs ({len(leaves)} leaves vs {len(mask)}); "
+                 f"counting all as activations",)
+        mask = [False] * len(leaves)
+    theirs = {_buffer(x) for x in jax.tree.leaves((w.params, w.batch))}
+    copied = sum(x.nbytes for x, m in zip(leaves, mask) if m and _buffer(x) not in theirs | {None})
+    saved = SavedBytes(activations=sum(x.nbytes for x, m in zip(leaves, mask) if not m),
+                       inputs=sum(x.nbytes for x, m in zip(leaves, mask) if m), arrays=len(leaves),
+                       inputs_copied=copied)
+    if copied:
+        notes += (f"the residuals hold copies of {copied / 1e6:.2f} MB of inputs (new buffers: extra memory)",)
+    temp = None
+    if memory:  # the jit caches make these compiles cheap: both programs already ran
+        ct = jnp.ones((), jnp.float32)
+        temp = TempBytes(_temp(fwd.lower(w.params, w.batch).compile()),
+                         _temp(bwd.lower(residuals, ct).compile()))
+    del out, residuals
+    return Prepared("jax_fwd_and_bwd", step, contextlib.nullcontext, grads, first, saved, temp, None, notes)
+
+
+def _aotgrad(name: str, partitioner: str, w: Workload, memory: bool) -> Prepared:
+    if partitioner not in PARTITIONERS:
+        raise ValueError(f"partitioner {partitioner!r} is not registered "
+                         f"(registered: {sorted(PARTITIONERS)})")
+    # Options are read when a function is traced, and are part of its cache key: build,
+    # warm and run every call inside the same patch.
+    context = lambda: aotgrad.config.patch(partitioner=partitioner)  # noqa: E731
+    notes: list[str] = []
+    with context():
+        fwd, bwd = aotgrad.fwd_and_bwd(w.loss_fn, argnums=0)
+        step = _fwd_bwd_step(fwd, bwd, w)
+        (_, grads), first = _timed_first(step)
+        _, saved_tree = fwd(w.params, w.batch)
+        inputs = jax.tree.leaves((w.params, w.batch))
+        leaves = jax.tree.leaves(saved_tree)
+        is_input = [any(x is i for i in inputs) for x in leaves]
+        measured = SavedBytes(activations=sum(x.nbytes for x, m in zip(leaves, is_input) if not m),
+                              inputs=sum(x.nbytes for x, m in zip(leaves, is_input) if m),
+                              arrays=len(leaves))
+        del saved_tree
+        # The same differentiation pattern as fwd_and_bwd(argnums=0): `batch` is closed
+        # over, so only `params` is differentiated (explain and lower differentiate every
+        # floating-point argument).
+        of_params = aotgrad.compile(lambda params: w.loss_fn(params, w.batch))
+        compiled = of_params.lower(w.params).compile()
+        report = aotgrad.explain(of_params, w.params)
+    if report.saved_bytes != measured.activations:
+        notes.append(f"explain says {report.saved_bytes:,} saved activation bytes; "
+                     f"the forward returned {measured.activations:,}")
+    saved = SavedBytes(activations=report.saved_bytes, inputs=measured.inputs, arrays=measured.arrays)
+    temp = TempBytes(_temp(compiled.forward), _temp(compiled.backward)) if memory else None
+    t = compiled.timings
+    build = BuildSeconds(t.trace, t.partition, t.lower, t.compile)
+    return Prepared(name, step, context, grads, first, saved, temp, build, tuple(notes))
+
+
+# ----------------------------------------------------------------------------- accuracy
+
+def max_relative_error(grads: Any, reference: Any) -> float:
+    """Largest, over gradient leaves, of max|g - ref| / max|ref|: normwise (inf-norm)
+    relative error, which elementwise division by near-zero entries would swamp."""
+    worst = 0.0
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference), strict=True):
+        scale = float(jnp.max(jnp.abs(r)))
+        err = float(jnp.max(jnp.abs(jnp.asarray(g, jnp.float32) - r)))
+        worst = max(worst, err / scale if scale > 0 else err)
+    return worst

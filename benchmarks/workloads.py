@@ -1,0 +1,234 @@
+"""Workloads: each builder makes `(loss_fn, params, batch)` for given sizes, in float32.
+
+`loss_fn(params, batch) -> scalar`; the suite differentiates it with respect to `params`
+(argument 0). Builders are registered in `BUILDERS` under the `kind` a suite file names.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["BUILDERS", "Workload", "build"]
+
+Params = dict[str, Any]
+Batch = dict[str, Any]
+LossFn = Callable[[Params, Batch], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One benchmark problem: a scalar loss of (params, batch) and concrete inputs."""
+    name: str
+    kind: str
+    sizes: dict[str, Any]
+    loss_fn: LossFn
+    params: Params
+    batch: Batch
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree.leaves(self.params))
+
+    @property
+    def batch_bytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree.leaves(self.batch))
+
+
+class _Keys:
+    """Hands out fresh PRNG keys: `keys()` -> a new key each call."""
+
+    def __init__(self, seed: int) -> None:
+        self._key = jax.random.key(seed)
+
+    def __call__(self) -> jax.Array:
+        self._key, sub = jax.random.split(self._key)
+        return sub
+
+
+def _dense(keys: _Keys, fan_in: int, fan_out: int) -> jax.Array:
+    return jax.random.normal(keys(), (fan_in, fan_out), jnp.float32) / math.sqrt(fan_in)
+
+
+def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+
+
+def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+# ----------------------------------------------------------------------------- MLP
+
+def mlp(seed: int = 0, *, batch: int, width: int, depth: int) -> tuple[LossFn, Params, Batch]:
+    """`depth` layers of exact (erf) GELU(x @ W + b), width `width`; mean squared error."""
+    keys = _Keys(seed)
+    params = {f"layer{i}": {"w": _dense(keys, width, width), "b": jnp.zeros((width,), jnp.float32)}
+              for i in range(depth)}
+    data = {"x": jax.random.normal(keys(), (batch, width), jnp.float32),
+            "y": jax.random.normal(keys(), (batch, width), jnp.float32)}
+
+    def loss_fn(params: Params, batch: Batch) -> jax.Array:
+        h = batch["x"]
+        for i in range(depth):
+            layer = params[f"layer{i}"]
+            h = jax.nn.gelu(h @ layer["w"] + layer["b"], approximate=False)
+        return jnp.mean(jnp.square(h - batch["y"]))
+
+    return loss_fn, params, data
+
+
+# ----------------------------------------------------------------------------- transformer
+
+def _block_params(keys: _Keys, d_model: int) -> Params:
+    d_ff = 4 * d_model
+    return {
+        "ln1": {"scale": jnp.ones((d_model,), jnp.float32), "bias": jnp.zeros((d_model,), jnp.float32)},
+        "qkv": {"w": _dense(keys, d_model, 3 * d_model), "b": jnp.zeros((3 * d_model,), jnp.float32)},
+        "proj": {"w": _dense(keys, d_model, d_model), "b": jnp.zeros((d_model,), jnp.float32)},
+        "ln2": {"scale": jnp.ones((d_model,), jnp.float32), "bias": jnp.zeros((d_model,), jnp.float32)},
+        "fc1": {"w": _dense(keys, d_model, d_ff), "b": jnp.zeros((d_ff,), jnp.float32)},
+        "fc2": {"w": _dense(keys, d_ff, d_model), "b": jnp.zeros((d_model,), jnp.float32)},
+    }
+
+
+def _block(p: Params, x: jax.Array, heads: int) -> jax.Array:
+    """Pre-LN transformer block: causal multi-head attention, then a tanh-GELU 4x MLP."""
+    b, t, d = x.shape
+    dh = d // heads
+    h = _layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"])
+    qkv = h @ p["qkv"]["w"] + p["qkv"]["b"]
+    q, k, v = (z.reshape(b, t, heads, dh) for z in jnp.split(qkv, 3, axis=-1))
+    scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(dh)
+    causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    attn = jax.nn.softmax(scores, axis=-1)
+    o = jnp.einsum("bhts,bshd->bthd", attn, v).reshape(b, t, d)
+    x = x + o @ p["proj"]["w"] + p["proj"]["b"]
+    h = _layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"])
+    h = jax.nn.gelu(h @ p["fc1"]["w"] + p["fc1"]["b"], approximate=True)
+    return x + h @ p["fc2"]["w"] + p["fc2"]["b"]
+
+
+def transformer_block(seed: int = 0, *, batch: int, seq: int, d_model: int,
+                      heads: int) -> tuple[LossFn, Params, Batch]:
+    """One pre-LN block on (batch, seq, d_model) activations; mean squared error to a target."""
+    keys = _Keys(seed)
+    params = _block_params(keys, d_model)
+    data = {"x": jax.random.normal(keys(), (batch, seq, d_model), jnp.float32),
+            "y": jax.random.normal(keys(), (batch, seq, d_model), jnp.float32)}
+
+    def loss_fn(params: Params, batch: Batch) -> jax.Array:
+        return jnp.mean(jnp.square(_block(params, batch["x"], heads) - batch["y"]))
+
+    return loss_fn, params, data
+
+
+def gpt(seed: int = 0, *, batch: int, seq: int, d_model: int, heads: int, layers: int,
+        vocab: int) -> tuple[LossFn, Params, Batch]:
+    """GPT-style stack: token + position embeddings, `layers` pre-LN blocks (a Python
+    loop, so every layer is its own code), final LayerNorm, tied-embedding logits,
+    next-token cross-entropy on integer tokens."""
+    keys = _Keys(seed)
+    params = {
+        "wte": jax.random.normal(keys(), (vocab, d_model), jnp.float32) * 0.02,
+        "wpe": jax.random.normal(keys(), (seq, d_model), jnp.float32) * 0.02,
+        "blocks": [_block_params(keys, d_model) for _ in range(layers)],
+        "ln_f": {"scale": jnp.ones((d_model,), jnp.float32), "bias": jnp.zeros((d_model,), jnp.float32)},
+    }
+    tokens = jax.random.randint(keys(), (batch, seq + 1), 0, vocab, jnp.int32)
+    data = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+    def loss_fn(params: Params, batch: Batch) -> jax.Array:
+        x = params["wte"][batch["tokens"]] + params["wpe"]
+        for p in params["blocks"]:
+            x = _block(p, x, heads)
+        x = _layer_norm(x, params["ln_f"]["scale"], params["ln_f"]["bias"])
+        return _cross_entropy(x @ params["wte"].T, batch["targets"])
+
+    return loss_fn, params, data
+
+
+# ----------------------------------------------------------------------------- conv net
+
+def convnet(seed: int = 0, *, batch: int, image: int, channels: list[int],
+            classes: int) -> tuple[LossFn, Params, Batch]:
+    """3x3 convolutions (stride 2 after the first), each followed by batch-norm with
+    batch statistics (mean/variance over N, H, W; training mode) and ReLU; global average
+    pool, a dense classifier, softmax cross-entropy. NHWC."""
+    keys = _Keys(seed)
+    layers = []
+    c_in = 3
+    for c_out in channels:
+        w = jax.random.normal(keys(), (3, 3, c_in, c_out), jnp.float32) / math.sqrt(9 * c_in)
+        layers.append({"w": w, "scale": jnp.ones((c_out,), jnp.float32),
+                       "bias": jnp.zeros((c_out,), jnp.float32)})
+        c_in = c_out
+    params = {"convs": layers, "head": {"w": _dense(keys, c_in, classes),
+                                        "b": jnp.zeros((classes,), jnp.float32)}}
+    data = {"images": jax.random.normal(keys(), (batch, image, image, 3), jnp.float32),
+            "labels": jax.random.randint(keys(), (batch,), 0, classes, jnp.int32)}
+
+    def loss_fn(params: Params, batch: Batch) -> jax.Array:
+        x = batch["images"]
+        for i, layer in enumerate(params["convs"]):
+            stride = 1 if i == 0 else 2
+            x = jax.lax.conv_general_dilated(x, layer["w"], (stride, stride), "SAME",
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            mean = jnp.mean(x, axis=(0, 1, 2))
+            var = jnp.mean(jnp.square(x - mean), axis=(0, 1, 2))
+            x = (x - mean) * jax.lax.rsqrt(var + 1e-5) * layer["scale"] + layer["bias"]
+            x = jax.nn.relu(x)
+        x = jnp.mean(x, axis=(1, 2))
+        return _cross_entropy(x @ params["head"]["w"] + params["head"]["b"], batch["labels"])
+
+    return loss_fn, params, data
+
+
+# ----------------------------------------------------------------------------- RNN
+
+def rnn(seed: int = 0, *, batch: int, seq: int, d_in: int, hidden: int) -> tuple[LossFn, Params, Batch]:
+    """Elman RNN, h_t = tanh(x_t Wx + h_{t-1} Wh + b), as one `lax.scan` over time;
+    mean squared error of a linear readout of every h_t."""
+    keys = _Keys(seed)
+    params = {"wx": _dense(keys, d_in, hidden), "wh": _dense(keys, hidden, hidden) * 0.5,
+              "b": jnp.zeros((hidden,), jnp.float32), "wo": _dense(keys, hidden, d_in)}
+    data = {"x": jax.random.normal(keys(), (seq, batch, d_in), jnp.float32),
+            "y": jax.random.normal(keys(), (seq, batch, d_in), jnp.float32)}
+
+    def loss_fn(params: Params, batch: Batch) -> jax.Array:
+        def cell(h: jax.Array, x_t: jax.Array) -> tuple[jax.Array, jax.Array]:
+            h = jnp.tanh(x_t @ params["wx"] + h @ params["wh"] + params["b"])
+            return h, h
+
+        h0 = jnp.zeros((batch["x"].shape[1], params["wh"].shape[0]), jnp.float32)
+        _, hs = jax.lax.scan(cell, h0, batch["x"])
+        return jnp.mean(jnp.square(hs @ params["wo"] - batch["y"]))
+
+    return loss_fn, params, data
+
+
+BUILDERS: dict[str, Callable[..., tuple[LossFn, Params, Batch]]] = {
+    "mlp": mlp,
+    "transformer_block": transformer_block,
+    "gpt": gpt,
+    "convnet": convnet,
+    "rnn": rnn,
+}
+
+
+def build(name: str, kind: str, sizes: dict[str, Any], seed: int = 0) -> Workload:
+    """Builds the workload `kind` (a key of BUILDERS) with `sizes` as keyword arguments."""
+    if kind not in BUILDERS:
+        raise ValueError(f"workload {name!r}: unknown kind {kind!r}; known kinds: {sorted(BUILDERS)}")
+    try:
+        loss_fn, params, batch = BUILDERS[kind](seed, **sizes)
+    except TypeError as e:
+        raise ValueError(f"workload {name!r} (kind {kind!r}): bad sizes {sizes}: {e}") from None
+    return Workload(name, kind, dict(sizes), loss_fn, params, batch)

@@ -1,0 +1,119 @@
+"""Smoke test of the benchmark suite (benchmarks/): a tiny suite end to end, through the
+command line and in-process; suite files that parse; registry pick-up; failures that
+are reported and do not stop the run. Takes a few seconds."""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY_SUITE = """
+description = "smoke"
+repeats = 1
+min_sample_seconds = 0.0
+strategies = ["fused", "jax_fwd_and_bwd", "aotgrad:*", "aotgrad:not_a_partitioner"]
+
+[overhead]
+size = 4
+calls = 20
+repeats = 3
+
+[[workloads]]
+name = "tiny_mlp"
+kind = "mlp"
+sizes = { batch = 4, width = 8, depth = 2 }
+
+[[workloads]]
+name = "tiny_block"
+kind = "transformer_block"
+sizes = { batch = 2, seq = 8, d_model = 16, heads = 2 }
+"""
+
+
+@pytest.fixture
+def tiny_suite(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY_SUITE)
+    return path
+
+
+def test_runner_cli_writes_expected_json(tiny_suite: Path, tmp_path: Path) -> None:
+    from aotgrad.partition import PARTITIONERS
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", f"--suite={tiny_suite}", f"--out={out}",
+                           f"--plot={tmp_path / 'plot.png'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not_a_partitioner" in proc.stderr and "not registered" in proc.stderr
+    assert "tiny_block" in proc.stdout and "call overhead" in proc.stdout
+
+    data = json.loads(out.read_text())
+    assert data["machine"]["cpu_count"] >= 1 and data["machine"]["platform"]
+    assert data["backend"] == "cpu"
+    assert set(data["versions"]) >= {"jax", "jaxlib", "aotgrad"}
+    expected = ["fused", "jax_fwd_and_bwd", *(f"aotgrad:{p}" for p in PARTITIONERS)]
+    assert data["strategies"] == expected
+    rows = {(r["workload"], r["strategy"]): r for r in data["rows"]}
+    assert set(rows) == {(w, s) for w in ("tiny_mlp", "tiny_block") for s in expected}
+    for (workload, strategy), r in rows.items():
+        assert r["ok"], (workload, strategy, r["error"])
+        assert r["step"]["median"] > 0 and r["step"]["min"] > 0
+        assert r["first_step_s"] > 0
+        assert r["grad_error"] is not None and r["grad_error"] < 1e-4
+        if strategy == "fused":
+            assert r["saved"] is None and r["ratio_vs_fused"] == 1.0
+        else:
+            assert r["saved"]["activations"] > 0
+        if strategy == "jax_fwd_and_bwd":
+            assert r["ratio_vs_jax"] == 1.0
+        if strategy.startswith("aotgrad:"):
+            b = r["build"]
+            assert b["trace"] > 0 and b["compile"] > 0
+            assert r["temp"] is not None
+    overhead = {(o["mode"], o["strategy"]): o for o in data["overhead"]["rows"]}
+    assert ("latency", "jax_fwd_and_bwd") in overhead
+    assert all(o["per_call"]["median"] > 0 for o in overhead.values())
+    assert all(overhead[("latency", s)]["ratio_vs_jax"] > 0 for s in expected[2:])
+
+
+def test_new_partitioners_are_picked_up_and_failures_continue(tiny_suite: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from aotgrad.partition import PARTITIONERS
+
+    from benchmarks import run, suite as suite_mod
+
+    def broken(graph: object) -> dict:
+        raise RuntimeError("this partitioner always fails")
+
+    monkeypatch.setitem(PARTITIONERS, "smoke_alias", PARTITIONERS["default"])
+    monkeypatch.setitem(PARTITIONERS, "smoke_broken", broken)
+    suite = suite_mod.load(tiny_suite)
+    result = run.run_suite(suite, workloads=["tiny_mlp"], strategies=["jax_fwd_and_bwd", "aotgrad:smoke_*"])
+    rows = {r.strategy: r for r in result.rows}
+    assert set(rows) == {"jax_fwd_and_bwd", "aotgrad:smoke_alias", "aotgrad:smoke_broken"}
+    assert rows["aotgrad:smoke_alias"].ok and rows["aotgrad:smoke_alias"].saved.activations > 0
+    assert not rows["aotgrad:smoke_broken"].ok
+    assert "always fails" in rows["aotgrad:smoke_broken"].error
+    assert rows["jax_fwd_and_bwd"].ok
+    assert "FAILED" in run.format_result(result)
+    assert not result.overhead  # filtered out by --workloads
+
+
+def test_suite_files_parse_and_sizes_fit_the_builders() -> None:
+    from benchmarks import suite as suite_mod
+    from benchmarks.workloads import BUILDERS
+    for name in ("cpu", "gpu", "tpu"):
+        suite = suite_mod.load(ROOT / "config" / f"{name}.toml")
+        assert suite.workloads and suite.strategies
+        for w in suite.workloads:
+            inspect.signature(BUILDERS[w.kind]).bind(0, **w.sizes)
+    cpu = {w.name: w for w in suite_mod.load(ROOT / "config" / "cpu.toml").workloads}
+    assert cpu["transformer_block"].sizes == {"batch": 8, "seq": 128, "d_model": 256, "heads": 8}
