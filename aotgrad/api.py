@@ -4,10 +4,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import logging
 import threading
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -16,8 +17,8 @@ from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_str
 from aotgrad._jax_internals import Tracer
 from aotgrad.config import config
 from aotgrad.runtime import Entry, ProgramPair, Saved, Timings
-from aotgrad.signature import ArgSpec, CallKey, aval_key, describe_key_change, key_text, leaf_key
-from aotgrad.trace import differentiable, trace_forward
+from aotgrad.signature import ArgSpec, CallKey, ArrayImpl, aval_key, describe_key_change, key_text, leaf_key
+from aotgrad.trace import trace_forward
 
 __all__ = ["AOTFunction", "CacheInfo", "Compiled", "Lowered", "compile", "fwd_and_bwd"]
 
@@ -39,8 +40,7 @@ class CacheInfo:
     misses: int
 
 
-@dataclasses.dataclass(frozen=True)
-class _Call:
+class _Call(NamedTuple):
     """One call, resolved: the entry and its flat inputs."""
     entry: Entry
     inputs: tuple[Any, ...]  # (consts..., leaves...)
@@ -153,14 +153,9 @@ class AOTFunction:
         """Lowers the forward and backward programs for these arguments (arrays or
         `jax.ShapeDtypeStruct`s), differentiating every floating-point input."""
         call = self._resolve(args, kwargs)
-        pair = self._full_pair(call)
+        pair = call.entry.pair(call.entry.perturbed_for(None), call.entry.default_has_ct())
         lowered_f, lowered_b, timings = pair.lower(call.inputs)
         return Lowered(self.name, pair, lowered_f, lowered_b, timings)
-
-    def _full_pair(self, call: _Call) -> ProgramPair:
-        n = len(call.entry.fwd.consts)
-        perturbed = (False,) * n + tuple(differentiable(a) for a in call.entry.fwd.in_avals[n:])
-        return call.entry.pair(perturbed, call.entry.default_has_ct())
 
     def cache_info(self) -> CacheInfo:
         with self._lock:
@@ -284,9 +279,12 @@ def fwd_and_bwd(fn: Callable, argnums: int | Sequence[int] = 0,
                 f"aotgrad.fwd_and_bwd({f.name}): `saved` was produced by another forward "
                 f"({saved.pair.owner!r}, or another fwd_and_bwd / argnums); pass the `saved` "
                 f"returned by this fwd_and_bwd's own fwd.")
-        grads = pair.run_backward(saved, _check_cotangent(f.name, pair, layout, ct))
-        per_arg = [tree_unflatten(tree, [grads[k] if isinstance(k, int) else k for k in picks])
-                   for tree, picks in layout.args]
+        grads = pair.backward(*saved.arrays, *_check_cotangent(f.name, pair, layout, ct))
+        if layout.contiguous:  # every leaf has a gradient, in order: regroup by slicing
+            per_arg = [tree_unflatten(tree, grads[s:e]) for tree, s, e in layout.contiguous]
+        else:
+            per_arg = [tree_unflatten(tree, [grads[k] if isinstance(k, int) else k for k in picks])
+                       for tree, picks in layout.args]
         return per_arg[0] if single else tuple(per_arg)
 
     return fwd, bwd
@@ -299,10 +297,7 @@ def _plan(name: str, entry: Entry, n_args: int, nums: tuple[int, ...],
     if bad:
         raise ValueError(f"aotgrad.fwd_and_bwd({name}): argnums {bad} out of range for "
                          f"{n_args} positional arguments.")
-    wanted = {i % n_args for i in nums}
-    n = len(entry.fwd.consts)
-    perturbed = (False,) * n + tuple(p in wanted and differentiable(a)
-                                     for p, a in zip(entry.leaf_args, entry.fwd.in_avals[n:]))
+    perturbed = entry.perturbed_for({i % n_args for i in nums})
     has_ct = entry.default_has_ct()
     out_tree = entry.fwd.out_tree
     if has_aux:
@@ -325,6 +320,12 @@ class _GradLayout:
     out_tree: Any  # structure of the differentiated output (without aux)
     out_paths: tuple[str, ...]  # readable path of each output leaf
     ct_keys: tuple[Any, ...]  # leaf_key of each output leaf
+    contiguous: tuple[tuple[Any, int, int], ...] | None  # (treedef, start, end) when every
+    # pick is an index and the picks are 0, 1, 2, ... in order
+
+    @property
+    def single_ct(self) -> bool:
+        return self.out_tree.num_leaves == 1 and self.out_tree.num_nodes == 1
 
     @classmethod
     def of(cls, entry: Entry, pair: ProgramPair, nums: tuple[int, ...], n_args: int,
@@ -345,11 +346,18 @@ class _GradLayout:
         dummy = tree_unflatten(out_tree, [0] * out_tree.num_leaves)
         paths = tuple(keystr(p) for p, _ in tree_flatten_with_path(dummy)[0])
         keys = tuple(aval_key(a) for a in entry.fwd.out_avals[:out_tree.num_leaves])
-        return cls(tuple(args), out_tree, paths, keys)
+        flat = [k for _, picks in args for k in picks]
+        contiguous = None
+        if all(isinstance(k, int) for k in flat) and flat == list(range(len(flat))):
+            bounds = itertools.accumulate(len(picks) for _, picks in args)
+            contiguous = tuple((tree, end - len(picks), end) for (tree, picks), end in zip(args, bounds))
+        return cls(tuple(args), out_tree, paths, keys, contiguous)
 
 
 def _check_cotangent(name: str, pair: ProgramPair, layout: _GradLayout, ct: Any) -> list[Any]:
     """Validates `ct` against the output; returns the cotangents of outputs that take one."""
+    if layout.single_ct and type(ct) is ArrayImpl and pair.has_ct[0] and leaf_key(ct) == layout.ct_keys[0]:
+        return (ct,)  # the common case: one array output
     leaves, tree = tree_flatten(ct)
     if tree != layout.out_tree:
         raise ValueError(f"aotgrad.fwd_and_bwd({name}): the cotangent has structure {tree}; "

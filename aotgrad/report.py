@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr
@@ -40,7 +40,7 @@ class Report:
     saved_bytes: int  # activations, excluding inputs
     saved_input_bytes: int
     recomputed: tuple[tuple[str, int], ...]  # (primitive, count) recomputed in the backward
-    timings: Timings
+    timings: Timings  # compile is ~0 when XLA's compilation cache already held the programs
 
     def __str__(self) -> str:
         rows = [("#", "shape", "dtype", "bytes", "kind", "produced by", "source", "why")]
@@ -72,16 +72,28 @@ def _nbytes(aval: Any) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def explain(fn: Callable, *args: Any, **kwargs: Any) -> Report:
-    """Builds (or reuses) the programs for `fn(*args, **kwargs)`, differentiating every
-    floating-point input, compiles them, and reports what the forward saves.
+def explain(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
+            **kwargs: Any) -> Report:
+    """Builds (or reuses) the programs for `fn(*args, **kwargs)`, compiles them, and
+    reports what the forward saves.
 
-    `fn` may be an `aotgrad.compile`d function or a plain one; arguments may be arrays or
-    `jax.ShapeDtypeStruct`s.
+    Arguments:
+        fn: an `aotgrad.compile`d function or a plain one.
+        *args, **kwargs: its arguments, arrays or `jax.ShapeDtypeStruct`s.
+        argnums: the positional arguments differentiated (as in `jax.grad` or
+            `aotgrad.fwd_and_bwd`); by default every floating-point input.
     """
     f = fn if isinstance(fn, AOTFunction) else AOTFunction(fn)
     call = f._resolve(args, kwargs)
-    pair = f._full_pair(call)
+    positions = None
+    if argnums is not None:
+        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        bad = [i for i in nums if not -len(args) <= i < len(args)]
+        if bad:
+            raise ValueError(f"aotgrad.explain({f.name}): argnums {bad} out of range for "
+                             f"{len(args)} positional arguments.")
+        positions = {i % len(args) for i in nums}
+    pair = call.entry.pair(call.entry.perturbed_for(positions), call.entry.default_has_ct())
     lowered_f, lowered_b, timings = pair.lower(call.inputs)
     t0 = time.perf_counter()
     lowered_f.compile(), lowered_b.compile()

@@ -72,9 +72,9 @@ class ProgramPair:
 
     def run_forward(self, inputs: Sequence[Any]) -> tuple[list[Any], "Saved"]:
         results = self.forward(*inputs)
-        outs, acts = results[:self.n_outs], results[self.n_outs:]
-        saved_inputs = [inputs[i] for i in self.split.saved_inputs]
-        return outs, Saved(tuple(acts) + tuple(saved_inputs), self)
+        saved = results[self.n_outs:]
+        saved.extend(inputs[i] for i in self.split.saved_inputs)
+        return results[:self.n_outs], Saved(saved, self)
 
     def run_backward(self, saved: "Saved", cts: Sequence[Any]) -> list[Any]:
         """`cts`: one cotangent per output that has one. Returns one cotangent per
@@ -109,16 +109,16 @@ class Saved:
     saved `jax.Array`s (activations first, then saved inputs). It remembers which program
     pair produced it, so a backward can refuse values saved by another function."""
 
-    def __init__(self, arrays: tuple[Any, ...], pair: ProgramPair) -> None:
-        self.arrays = tuple(arrays)
+    def __init__(self, arrays: Sequence[Any], pair: ProgramPair) -> None:
+        self.arrays = arrays
         self.pair = pair
 
-    def tree_flatten(self) -> tuple[tuple[Any, ...], ProgramPair]:
+    def tree_flatten(self) -> tuple[Sequence[Any], ProgramPair]:
         return self.arrays, self.pair
 
     @classmethod
     def tree_unflatten(cls, pair: ProgramPair, arrays: Sequence[Any]) -> "Saved":
-        return cls(tuple(arrays), pair)
+        return cls(arrays, pair)
 
     @property
     def nbytes(self) -> int:
@@ -168,6 +168,14 @@ class Entry:
                 pair.dump(config.debug_dir, f"{_file_safe(self.owner)}-{next(_dump_counter)}")
             self.pairs[key] = pair
         return pair
+
+    def perturbed_for(self, positions: set[int] | None) -> tuple[bool, ...]:
+        """Differentiate the floating leaves of these positional arguments (None: of all
+        arguments); closed-over constants are never differentiated this way."""
+        n = len(self.fwd.consts)
+        return (False,) * n + tuple(
+            differentiable(a) and (positions is None or p in positions)
+            for p, a in zip(self.leaf_args, self.fwd.in_avals[n:]))
 
     def default_has_ct(self) -> tuple[bool, ...]:
         return tuple(differentiable(a) for a in self.fwd.out_avals)

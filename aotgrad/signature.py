@@ -16,11 +16,11 @@ __all__ = ["ArgSpec", "CallKey", "aval_key", "check_output_leaves", "describe_ke
            "leaf_key", "leaf_paths"]
 
 _SCALARS = (bool, int, float, complex, np.generic)
-_ArrayImpl = type(jax.numpy.zeros(()))
+ArrayImpl = type(jax.numpy.zeros(()))
 
 
 def _is_array_like(x: Any) -> bool:
-    return type(x) is _ArrayImpl or isinstance(x, (jax.Array, np.ndarray, Tracer, jax.ShapeDtypeStruct, *_SCALARS))
+    return type(x) is ArrayImpl or isinstance(x, (jax.Array, np.ndarray, Tracer, jax.ShapeDtypeStruct, *_SCALARS))
 
 
 def _describe(x: Any) -> str:
@@ -45,7 +45,7 @@ def aval_key(aval: Any) -> tuple:
 
 def leaf_key(x: Any) -> tuple:
     """What tracing needs to know about one argument leaf; fast for concrete arrays."""
-    return aval_key(x.aval if type(x) is _ArrayImpl else jax.typeof(x))
+    return aval_key(x.aval if type(x) is ArrayImpl else jax.typeof(x))
 
 
 def key_text(key: tuple) -> str:

@@ -352,3 +352,17 @@ def test_hessian_forward_over_reverse_matches_jax():
         return jnp.sum(jnp.sin(x) * x ** 2)
     x = jnp.linspace(0.1, 1.0, 4)
     np.testing.assert_allclose(jax.hessian(aotgrad.compile(f))(x), jax.hessian(f)(x), rtol=1e-5, atol=1e-6)
+
+
+def test_explain_argnums_matches_what_fwd_and_bwd_saves():
+    def f(w, x):
+        return jnp.sum(jnp.tanh(x @ w) * jnp.sin(x).sum())
+    w, x = jnp.ones((6, 3)) * 0.1, X
+    fwd, _ = aotgrad.fwd_and_bwd(f, argnums=0)
+    _, saved = fwd(w, x)
+    report = aotgrad.explain(f, w, x, argnums=0)
+    assert report.saved_bytes + report.saved_input_bytes == saved.nbytes
+    everything = aotgrad.explain(f, w, x)
+    assert everything.saved_bytes > report.saved_bytes  # x's gradient needs more saved values
+    with pytest.raises(ValueError, match=r"argnums \[2\] out of range"):
+        aotgrad.explain(f, w, x, argnums=2)
