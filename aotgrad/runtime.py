@@ -54,7 +54,6 @@ class ProgramPair:
         self.forward = jax.jit(jaxpr_as_fun(self.split.forward))
         self.backward = jax.jit(jaxpr_as_fun(self.split.backward))
         self.n_outs = self.graph.n_outs
-        self.ct_avals = tuple(self.graph.closed.in_avals[self.graph.n_inputs:])  # one per has_ct output
         self.layouts: dict[object, Any] = {}  # per fwd_and_bwd: how its bwd regroups gradients
 
     @classmethod

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax
-from jax.extend.core import ClosedJaxpr, Literal, Var
+from jax.extend.core import ClosedJaxpr, Var
 
 from aotgrad.interpret import eval_eqns, read
 from aotgrad.partition.graph import JointGraph, live_eqns
