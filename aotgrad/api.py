@@ -7,6 +7,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 import warnings
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -198,30 +199,8 @@ def compile(fn: Callable | None = None, *, static_argnums: int | Sequence[int] =
 # ----------------------------------------------------------------------------- AOT stages
 
 @dataclasses.dataclass(frozen=True)
-class Lowered:
-    """Both programs lowered to StableHLO; `.compile()` compiles them."""
-    name: str
-    pair: ProgramPair
-    forward: Any  # jax.stages.Lowered
-    backward: Any  # jax.stages.Lowered
-    timings: Timings
-
-    def as_text(self) -> str:
-        return (f"// aotgrad forward program of {self.name}\n{self.forward.as_text()}\n"
-                f"// aotgrad backward program of {self.name}\n{self.backward.as_text()}")
-
-    def compile(self) -> "Compiled":
-        import time
-        t0 = time.perf_counter()
-        f, b = self.forward.compile(), self.backward.compile()
-        timings = dataclasses.replace(self.timings, compile=time.perf_counter() - t0)
-        return Compiled(self.name, self.pair, f, b, timings)
-
-
-@dataclasses.dataclass(frozen=True)
-class Compiled:
-    """Both programs compiled: each a `jax.stages.Compiled` with `as_text()`,
-    `memory_analysis()` and `cost_analysis()`."""
+class _Stages:
+    """Shared by `Lowered` and `Compiled`: a forward and a backward `jax.stages` object."""
     name: str
     pair: ProgramPair
     forward: Any
@@ -231,6 +210,23 @@ class Compiled:
     def as_text(self) -> str:
         return (f"// aotgrad forward program of {self.name}\n{self.forward.as_text()}\n"
                 f"// aotgrad backward program of {self.name}\n{self.backward.as_text()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered(_Stages):
+    """Both programs lowered to StableHLO; `.compile()` compiles them."""
+
+    def compile(self) -> "Compiled":
+        t0 = time.perf_counter()
+        f, b = self.forward.compile(), self.backward.compile()
+        timings = dataclasses.replace(self.timings, compile=time.perf_counter() - t0)
+        return Compiled(self.name, self.pair, f, b, timings)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled(_Stages):
+    """Both programs compiled: each a `jax.stages.Compiled` with `as_text()`,
+    `memory_analysis()` and `cost_analysis()`."""
 
     def memory_analysis(self) -> dict[str, Any]:
         return {"forward": self.forward.memory_analysis(), "backward": self.backward.memory_analysis()}
@@ -279,7 +275,7 @@ def fwd_and_bwd(fn: Callable, argnums: int | Sequence[int] = 0,
                 f"aotgrad.fwd_and_bwd({f.name}): `saved` was produced by another forward "
                 f"({saved.pair.owner!r}, or another fwd_and_bwd / argnums); pass the `saved` "
                 f"returned by this fwd_and_bwd's own fwd.")
-        grads = pair.backward(*saved.arrays, *_check_cotangent(f.name, pair, layout, ct))
+        grads = pair.run_backward(saved, _check_cotangent(f.name, pair, layout, ct))
         if layout.contiguous:  # every leaf has a gradient, in order: regroup by slicing
             per_arg = [tree_unflatten(tree, grads[s:e]) for tree, s, e in layout.contiguous]
         else:
@@ -290,14 +286,18 @@ def fwd_and_bwd(fn: Callable, argnums: int | Sequence[int] = 0,
     return fwd, bwd
 
 
+def argnum_positions(who: str, nums: tuple[int, ...], n_args: int) -> set[int]:
+    """The positional arguments named by `nums` (negative numbers count from the end)."""
+    bad = [i for i in nums if not -n_args <= i < n_args]
+    if bad:
+        raise ValueError(f"{who}: argnums {bad} out of range for {n_args} positional arguments.")
+    return {i % n_args for i in nums}
+
+
 def _plan(name: str, entry: Entry, n_args: int, nums: tuple[int, ...],
           has_aux: bool) -> tuple[ProgramPair, "_GradLayout"]:
     """The program pair and gradient layout for one signature of a fwd_and_bwd."""
-    bad = [i for i in nums if not -n_args <= i < n_args]
-    if bad:
-        raise ValueError(f"aotgrad.fwd_and_bwd({name}): argnums {bad} out of range for "
-                         f"{n_args} positional arguments.")
-    perturbed = entry.perturbed_for({i % n_args for i in nums})
+    perturbed = entry.perturbed_for(argnum_positions(f"aotgrad.fwd_and_bwd({name})", nums, n_args))
     has_ct = entry.default_has_ct()
     out_tree = entry.fwd.out_tree
     if has_aux:

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr
 
 from aotgrad._jax_internals import source_line
-from aotgrad.api import AOTFunction
+from aotgrad.api import AOTFunction, Lowered, argnum_positions
 from aotgrad.runtime import ProgramPair, Timings
 from aotgrad.signature import leaf_paths
 
@@ -88,16 +87,9 @@ def explain(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None
     positions = None
     if argnums is not None:
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-        bad = [i for i in nums if not -len(args) <= i < len(args)]
-        if bad:
-            raise ValueError(f"aotgrad.explain({f.name}): argnums {bad} out of range for "
-                             f"{len(args)} positional arguments.")
-        positions = {i % len(args) for i in nums}
+        positions = argnum_positions(f"aotgrad.explain({f.name})", nums, len(args))
     pair = call.entry.pair(call.entry.perturbed_for(positions), call.entry.default_has_ct())
-    lowered_f, lowered_b, timings = pair.lower(call.inputs)
-    t0 = time.perf_counter()
-    lowered_f.compile(), lowered_b.compile()
-    timings = dataclasses.replace(timings, compile=time.perf_counter() - t0)
+    timings = Lowered(f.name, pair, *pair.lower(call.inputs)).compile().timings
     return _report(f, call, pair, timings)
 
 
