@@ -130,7 +130,7 @@ class AOTFunction:
         fwd = trace_forward(flat_fn, self.name, tuple(map(jax.typeof, leaves)))
         arg_positions = tuple(i for i in range(n_args) if i not in self._spec.static_argnums
                               and (i - n_args) not in self._spec.static_argnums)
-        entry = Entry(self.name, fwd, in_tree, arg_positions, snapshot["partitioner"], self._donate)
+        entry = Entry(self.name, fwd, in_tree, arg_positions, snapshot, self._donate)
         if any(isinstance(c, Tracer) for c in fwd.consts):
             return entry  # closes over an enclosing transform's tracers: valid for this call only
         with self._lock:

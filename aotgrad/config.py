@@ -54,6 +54,15 @@ def _positive_int(name: str) -> Callable[[Any], int]:
     return parse
 
 
+def _fraction(name: str) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                or not 0.0 <= float(value) <= 1.0:
+            raise ConfigError(f"aotgrad.config.{name} must be a number in [0, 1]; got {value!r}.")
+        return float(value)
+    return parse
+
+
 def _bool(name: str) -> Callable[[Any], bool]:
     def parse(value: Any) -> bool:
         if not isinstance(value, (bool, np.bool_)):
@@ -147,6 +156,10 @@ def _partitioner_names() -> tuple[str, ...]:
 _OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("partitioner", "default", _choice("partitioner", _partitioner_names), str,
            "Strategy that chooses which forward values the backward reads from memory.", keyed=True),
+    Option("activation_memory_budget", 1.0, _fraction("activation_memory_budget"), float,
+           "Fraction in [0, 1] of the saved-activation bytes the min_cut partitioner may keep: "
+           "1 saves its runtime-optimal set, 0 saves only inputs and recomputes everything.",
+           keyed=True),
     Option("backward_pass_autocast", "same_as_forward", _backward_pass_autocast, _env_json_or_text,
            "Autocast context the backward program is built under: 'same_as_forward', 'off', "
            "a dict of autocast arguments, or a list of dicts applied as nested contexts.", keyed=True),

@@ -15,7 +15,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import jaxpr_as_fun
 from jax.tree_util import tree_leaves, tree_unflatten
 
-from aotgrad.config import config
+from aotgrad.config import Snapshot, config
 from aotgrad.partition import JointGraph, Split, partition
 from aotgrad.trace import ForwardTrace, differentiable, trace_joint
 
@@ -58,11 +58,11 @@ class ProgramPair:
 
     @classmethod
     def build(cls, owner: str, fwd: ForwardTrace, perturbed: tuple[bool, ...],
-              has_ct: tuple[bool, ...], strategy: str) -> "ProgramPair":
+              has_ct: tuple[bool, ...], options: Snapshot) -> "ProgramPair":
         t0 = time.perf_counter()
         graph = trace_joint(fwd, perturbed, has_ct)
         t1 = time.perf_counter()
-        sp = partition(graph, strategy)
+        sp = partition(graph, options["partitioner"], options["activation_memory_budget"])
         t2 = time.perf_counter()
         return cls(owner, perturbed, has_ct, graph, sp, Timings(trace=t1 - t0, partition=t2 - t1),
                    tuple(fwd.in_avals))
@@ -136,7 +136,7 @@ class Entry:
     program, program pairs per differentiation pattern, and the differentiable callable."""
 
     def __init__(self, owner: str, fwd: ForwardTrace, in_tree: Any, arg_positions: tuple[int, ...],
-                 strategy: str, donate_argnums: tuple[int, ...]) -> None:
+                 options: Snapshot, donate_argnums: tuple[int, ...]) -> None:
         self.owner = owner
         self.fwd = fwd
         self.in_tree = in_tree  # of (dynamic args, dynamic kwargs)
@@ -145,7 +145,8 @@ class Entry:
         dyn_args, dyn_kwargs = tree_unflatten(in_tree, [0] * in_tree.num_leaves)
         self.leaf_args = tuple(p for p, a in zip(arg_positions, dyn_args) for _ in tree_leaves(a))
         self.leaf_args += (-1,) * (in_tree.num_leaves - len(self.leaf_args))
-        self.strategy = strategy
+        self.options = options  # the config the programs are built under (its keyed part is in the cache key)
+        self.strategy = options["partitioner"]
         donate = tuple(len(fwd.consts) + i for i, p in enumerate(self.leaf_args) if p in donate_argnums)
         self.forward_only = jax.jit(fwd, donate_argnums=donate)
         self.pairs: dict[tuple[tuple[bool, ...], tuple[bool, ...]], ProgramPair] = {}
@@ -162,7 +163,7 @@ class Entry:
                 old = next(reversed(self.pairs))[0]
                 logger.warning("aotgrad: compiling %s again: differentiated inputs changed: %s -> %s",
                                self.owner, _mask_text(old[n:]), _mask_text(perturbed[n:]))
-            pair = ProgramPair.build(self.owner, self.fwd, perturbed, has_ct, self.strategy)
+            pair = ProgramPair.build(self.owner, self.fwd, perturbed, has_ct, self.options)
             if config.debug_dir:
                 pair.dump(config.debug_dir, f"{_file_safe(self.owner)}-{next(_dump_counter)}")
             self.pairs[key] = pair

@@ -90,7 +90,7 @@ def test_new_partitioners_are_picked_up_and_failures_continue(tiny_suite: Path,
 
     from benchmarks import run, suite as suite_mod
 
-    def broken(graph: object) -> dict:
+    def broken(graph: object, budget: float) -> dict:
         raise RuntimeError("this partitioner always fails")
 
     monkeypatch.setitem(PARTITIONERS, "smoke_alias", PARTITIONERS["default"])

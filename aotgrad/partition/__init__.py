@@ -1,6 +1,6 @@
 """How the joint graph is split: strategies choose the saved set, `split` builds programs.
 
-A strategy is a function `JointGraph -> {value: reason}`; register it in PARTITIONERS
+A strategy is a function `(JointGraph, budget) -> {value: reason}`; register it in PARTITIONERS
 and it becomes a valid `aotgrad.config.partitioner` choice.
 """
 from __future__ import annotations
@@ -15,12 +15,13 @@ from aotgrad.partition.split import Split, split
 
 __all__ = ["PARTITIONERS", "JointGraph", "Split", "partition", "split"]
 
-Strategy = Callable[[JointGraph], dict[Var, str]]
+# (graph, activation_memory_budget) -> {saved value: reason}
+Strategy = Callable[[JointGraph, float], dict[Var, str]]
 
 PARTITIONERS: dict[str, Strategy] = {
     "default": save_what_backward_reads,
 }
 
 
-def partition(graph: JointGraph, strategy: str) -> Split:
-    return split(graph, PARTITIONERS[strategy](graph))
+def partition(graph: JointGraph, strategy: str, budget: float = 1.0) -> Split:
+    return split(graph, PARTITIONERS[strategy](graph, budget))

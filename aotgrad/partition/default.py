@@ -8,9 +8,10 @@ from aotgrad.partition.graph import JointGraph
 __all__ = ["save_what_backward_reads"]
 
 
-def save_what_backward_reads(graph: JointGraph) -> dict[Var, str]:
+def save_what_backward_reads(graph: JointGraph, budget: float = 1.0) -> dict[Var, str]:
     """Saves the forward values read by backward equations or returned as gradients.
-    Constants (values that depend on no input) are rebuilt in the backward instead."""
+    Constants (values that depend on no input) are rebuilt in the backward instead.
+    The memory budget does not apply: this strategy has a single saved set."""
     saved: dict[Var, str] = {}
 
     def visit(v: object) -> None:
