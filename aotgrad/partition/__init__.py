@@ -11,6 +11,7 @@ from jax.extend.core import Var
 
 from aotgrad.partition.default import save_what_backward_reads
 from aotgrad.partition.graph import JointGraph
+from aotgrad.partition.min_cut import min_cut
 from aotgrad.partition.split import Split, split
 
 __all__ = ["PARTITIONERS", "JointGraph", "Split", "partition", "split"]
@@ -20,6 +21,7 @@ Strategy = Callable[[JointGraph, float], dict[Var, str]]
 
 PARTITIONERS: dict[str, Strategy] = {
     "default": save_what_backward_reads,
+    "min_cut": min_cut,
 }
 
 

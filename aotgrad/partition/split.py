@@ -18,7 +18,7 @@ from jax.extend.core import ClosedJaxpr, Var
 from aotgrad.interpret import eval_eqns, read
 from aotgrad.partition.graph import JointGraph, live_eqns
 
-__all__ = ["Split", "split"]
+__all__ = ["Split", "recompute_late", "split"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -61,11 +61,43 @@ def split(graph: JointGraph, saved: dict[Var, str]) -> Split:
     fwd_in = list(graph.inputs)
     bwd_in = list(activations) + [graph.inputs[i] for i in saved_inputs] + list(graph.cotangents)
     forward = _emit(graph, fwd_idx, fwd_in, list(graph.outputs) + list(activations))
-    backward = _emit(graph, bwd_idx, bwd_in, list(graph.grads))
+    backward = _emit(graph, recompute_late(graph, bwd_idx), bwd_in, list(graph.grads))
     reasons = tuple(saved[v] for v in activations) + tuple(saved[graph.inputs[i]] for i in saved_inputs)
     producers = tuple(graph.eqns[graph.producer[v]] for v in activations)
     return Split(forward, backward, activations, saved_inputs, reasons,
                  tuple(sorted(recomputed.items())), producers)
+
+
+def recompute_late(graph: JointGraph, idx: list[int]) -> list[int]:
+    """Orders the backward's equations: its own (cotangent-dependent) equations in joint
+    order, each recomputed forward equation just before its first use, so recomputed
+    values do not live longer than they must."""
+    recomputed = {i for i in idx if not graph.is_backward_eqn(graph.eqns[i])}
+    order: list[int] = []
+    emitted: set[int] = set()
+
+    def emit(root: int) -> None:  # depth-first, iterative: graphs can be deep
+        stack = [(root, False)]
+        while stack:
+            i, ready = stack.pop()
+            if i in emitted:
+                continue
+            if ready:
+                emitted.add(i)
+                order.append(i)
+                continue
+            stack.append((i, True))
+            for v in graph.eqns[i].invars:
+                p = graph.producer.get(v) if isinstance(v, Var) else None
+                if p in recomputed and p not in emitted:
+                    stack.append((p, False))
+
+    for i in idx:
+        if i not in recomputed:
+            emit(i)
+    for i in idx:  # recomputed values returned directly as gradients
+        emit(i)
+    return order
 
 
 def _in_order(graph: JointGraph, values: Sequence[Var]) -> list[Var]:

@@ -1,0 +1,91 @@
+"""The cost model: bytes moved between memory and compute, and FLOPs for compute-bound work.
+
+- Saving a value costs a read in the backward, plus a write in the forward unless the
+  value is written to memory anyway (the output of a matmul, a reduction, a forward
+  output, or the operand of a matmul).
+- Recomputing an equation costs, per rule kind (see `rules.py`): a small compute charge
+  per output byte for fusible ops, about one output write for data movement, a re-read
+  of the inputs for reductions, hashing for random bits, and FLOPs for compute-bound
+  work (only when a memory budget allows it).
+Inputs are free: the caller holds them anyway. A derived copy of an input (a cast or
+transpose of a weight) is a real cost and is normally recomputed instead.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from aotgrad.partition.rules import Kind, sub_jaxprs
+
+__all__ = ["FLOPS_PER_BYTE", "flops", "nbytes", "recompute_cost", "save_cost"]
+
+CHEAP_PER_BYTE = 1 / 16  # a fused elementwise op: a little compute, no extra traffic
+MOVE_PER_BYTE = 0.5  # a copy into a new layout, often fused into its consumer
+RANDOM_PER_BYTE = 4.0  # counter-based hashing: tens of integer ops per 32-bit word
+FLOPS_PER_BYTE = 16.0  # machine balance: FLOPs that cost as much time as moving one byte
+WHILE_TRIPS = 100  # assumed trip count of a while loop, whose count is unknown
+
+
+def nbytes(aval: Any) -> int:
+    if not hasattr(aval, "shape"):
+        return 0
+    return math.prod(aval.shape) * _itemsize(aval.dtype)
+
+
+def _itemsize(dtype: Any) -> int:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:  # extended dtypes (PRNG keys)
+        return int(getattr(dtype, "itemsize", 8))
+
+
+def save_cost(aval: Any, written_anyway: bool) -> float:
+    """Bytes moved to save a value: a backward read, and a forward write unless the
+    value is written to memory anyway."""
+    b = nbytes(aval)
+    return float(b if written_anyway else 2 * b)
+
+
+def recompute_cost(eqn: Any, kind: Kind) -> float:
+    """Byte-equivalent cost of running `eqn` again in the backward; inf if it must not be."""
+    out = sum(nbytes(v.aval) for v in eqn.outvars)
+    if kind is Kind.CHEAP:
+        return CHEAP_PER_BYTE * out
+    if kind is Kind.MOVE:
+        return MOVE_PER_BYTE * out
+    if kind is Kind.REDUCE:
+        return float(sum(nbytes(v.aval) for v in eqn.invars))
+    if kind is Kind.RANDOM:
+        return RANDOM_PER_BYTE * out
+    if kind is Kind.COSTLY:
+        return flops(eqn) / FLOPS_PER_BYTE + out
+    return math.inf
+
+
+def flops(eqn: Any) -> float:
+    """Estimated floating-point operations of one equation."""
+    name = eqn.primitive.name
+    out_elems = sum(math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+    if name == "dot_general":
+        (contract, _), _ = eqn.params["dimension_numbers"]
+        lhs_shape = eqn.invars[0].aval.shape
+        return 2.0 * out_elems * math.prod(lhs_shape[d] for d in contract)
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval.shape
+        spec = eqn.params["dimension_numbers"].rhs_spec  # (out feature, in feature, spatial...)
+        window = math.prod(rhs[d] for d in spec[2:])
+        return 2.0 * out_elems * window * rhs[spec[1]]
+    if name in ("sort", "argsort", "top_k"):
+        n = max(eqn.invars[0].aval.shape[-1:] or (1,))
+        return out_elems * max(1.0, math.log2(max(n, 2)))
+    bodies = sub_jaxprs(eqn)
+    if bodies:
+        body = max(sum(flops(e) for e in j.eqns) for j in bodies)  # cond: the costlier branch
+        if name == "scan":
+            return body * eqn.params["length"]
+        if name == "while":
+            return body * WHILE_TRIPS
+        return body
+    return float(out_elems)

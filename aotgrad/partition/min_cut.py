@@ -1,0 +1,209 @@
+"""The "min_cut" strategy: the cheapest saved set, as a minimum s-t cut of the joint graph.
+
+The flow network has one node per forward equation (e) and one per forward value (v):
+
+    source --recompute cost--> e --save cost--> v --inf--> (equations reading v) ...
+                                                v --inf--> sink   (if the backward reads v)
+
+A node on the source side is computed in the forward; an equation on the sink side is
+recomputed in the backward. Cutting `e -> v` saves v; cutting `source -> e` recomputes e.
+Inputs are not nodes: they are free to save as themselves. Rules and costs live in
+`rules.py` and `costs.py`; the memory budget in `budget.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import scipy.sparse
+from jax.extend.core import Var
+from scipy.sparse.csgraph import breadth_first_order, maximum_flow
+
+from aotgrad.partition import costs
+from aotgrad.partition.graph import JointGraph, live_eqns
+from aotgrad.partition.rules import Kind, kind_of
+
+__all__ = ["Cut", "Problem", "min_cut"]
+
+_INF = 2 ** 30  # larger than any finite cut: scipy's max-flow takes int32 capacities
+_FINITE_TOTAL = 2 ** 28  # finite capacities are scaled to sum to at most this
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Problem:
+    """The forward half of a joint graph as a flow network, without capacities."""
+    graph: JointGraph
+    eqns: tuple[int, ...]  # joint-graph indices of forward, input-dependent equations
+    kinds: tuple[Kind, ...]  # the rule of each
+    values: tuple[Var, ...]  # the values they produce
+    producer: np.ndarray  # for each value, its equation's position in `eqns`
+    edges: tuple[np.ndarray, np.ndarray]  # (value position, equation position): v is read by e
+    needed: np.ndarray  # value positions the backward reads
+    written: np.ndarray  # per value: written to memory in the forward anyway (bool)
+
+    @classmethod
+    def of(cls, graph: JointGraph) -> "Problem":
+        dependent = graph.input_dependent
+        eqns, kinds, values, producer = [], [], [], []
+        position: dict[Var, int] = {}
+        for i, eqn in enumerate(graph.eqns):
+            if graph.is_backward_eqn(eqn) or not any(v in dependent for v in _vars(eqn.outvars)):
+                continue
+            eqns.append(i)
+            kinds.append(kind_of(eqn))
+            for v in _vars(eqn.outvars):
+                position[v] = len(values)
+                values.append(v)
+                producer.append(len(eqns) - 1)
+        reads_v, reads_e = [], []
+        written = np.zeros(len(values), bool)
+        for e, i in enumerate(eqns):
+            for v in _vars(graph.eqns[i].invars):
+                if v in position:
+                    reads_v.append(position[v])
+                    reads_e.append(e)
+                    if kinds[e] in (Kind.COSTLY, Kind.UNSAFE):
+                        written[position[v]] = True  # a matmul operand is materialized
+        for k, v in enumerate(values):
+            if kinds[producer[k]] not in (Kind.CHEAP, Kind.MOVE):
+                written[k] = True
+        needed = set()
+        for eqn in graph.eqns:
+            if graph.is_backward_eqn(eqn):
+                needed.update(position[v] for v in _vars(eqn.invars) if v in position)
+        needed.update(position[v] for v in _vars(graph.grads) if v in position)
+        for v in _vars(graph.outputs):
+            if v in position:
+                written[position[v]] = True
+        return cls(graph, tuple(eqns), tuple(kinds), tuple(values), np.asarray(producer, np.int64),
+                   (np.asarray(reads_v, np.int64), np.asarray(reads_e, np.int64)),
+                   np.asarray(sorted(needed), np.int64), written)
+
+    @functools.cached_property
+    def nbytes(self) -> np.ndarray:
+        return np.asarray([costs.nbytes(v.aval) for v in self.values], np.float64)
+
+    @functools.cached_property
+    def save_costs(self) -> np.ndarray:
+        return np.asarray([costs.save_cost(v.aval, bool(w)) for v, w in zip(self.values, self.written)],
+                          np.float64)
+
+    def recompute_costs(self, allow_costly: bool) -> np.ndarray:
+        """Per equation; compute-bound equations are infinite unless `allow_costly`."""
+        out = []
+        for i, kind in zip(self.eqns, self.kinds):
+            if kind is Kind.COSTLY and not allow_costly:
+                out.append(np.inf)
+            else:
+                out.append(costs.recompute_cost(self.graph.eqns[i], kind))
+        return np.asarray(out, np.float64)
+
+    def full_cut(self) -> "Cut":
+        """The runtime-optimal cut: compute-bound equations are never recomputed."""
+        return self.solve(self.save_costs, self.recompute_costs(allow_costly=False))
+
+    def solve(self, save: np.ndarray, recompute: np.ndarray) -> "Cut":
+        """The minimum cut for these capacities (per value, per equation; inf allowed)."""
+        n_e, n_v = len(self.eqns), len(self.values)
+        enode = 2 + np.arange(n_e)
+        vnode = 2 + n_e + np.arange(n_v)
+        rows = np.concatenate([np.zeros(n_e, np.int64), enode[self.producer], vnode[self.edges[0]],
+                               vnode[self.needed]])
+        cols = np.concatenate([enode, vnode, enode[self.edges[1]], np.ones(len(self.needed), np.int64)])
+        caps = _to_int(np.concatenate([recompute, save, np.full(len(self.edges[0]) + len(self.needed), np.inf)]))
+        keep = caps > 0
+        n = 2 + n_e + n_v
+        capacity = scipy.sparse.coo_matrix((caps[keep], (rows[keep], cols[keep])), shape=(n, n)).tocsr()
+        capacity.sum_duplicates()
+        capacity.data = np.minimum(capacity.data, _INF).astype(np.int32)
+        flow = maximum_flow(capacity, 0, 1).flow
+        residual = (capacity.astype(np.int64) - flow.astype(np.int64)).tocsr()
+        residual.data = (residual.data > 0).astype(np.int8)
+        residual.eliminate_zeros()
+        reachable = np.zeros(n, bool)
+        reachable[breadth_first_order(residual, 0, directed=True, return_predecessors=False)] = True
+        source_side = reachable[enode]
+        saved = source_side[self.producer] & ~reachable[vnode]
+        return Cut(self, frozenset(self.values[k] for k in np.flatnonzero(saved)))
+
+
+def _to_int(c: np.ndarray) -> np.ndarray:
+    finite = np.isfinite(c)
+    scale = max(1.0, float(c[finite].sum()) / _FINITE_TOTAL)
+    out = np.full(c.shape, _INF, np.int64)
+    out[finite] = np.ceil(c[finite] / scale)
+    return out
+
+
+def _vars(atoms: object) -> list[Var]:
+    return [v for v in atoms if isinstance(v, Var)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Cut:
+    """A saved set: forward values the forward program writes for the backward."""
+    problem: Problem
+    cut: frozenset[Var]  # as cut, before pruning
+
+    @functools.cached_property
+    def saved(self) -> tuple[Var, ...]:
+        """Cut values and inputs the backward actually reads, after dead-code elimination."""
+        graph = self.problem.graph
+        jaxpr = graph.closed.jaxpr
+        available = set(self.cut) | set(graph.inputs) | set(graph.cotangents) | set(jaxpr.constvars)
+        kept, _ = live_eqns(graph.eqns, graph.grads, available,
+                            keep=lambda e: bool(e.effects) and graph.is_backward_eqn(e))
+        read = set(_vars(graph.grads))
+        for i in kept:
+            read.update(_vars(graph.eqns[i].invars))
+        candidates = list(graph.inputs) + [v for v in self.problem.values if v in self.cut]
+        return tuple(v for v in candidates if v in read)
+
+    @functools.cached_property
+    def activation_bytes(self) -> int:
+        inputs = set(self.problem.graph.inputs)
+        return sum(costs.nbytes(v.aval) for v in self.saved if v not in inputs)
+
+    @functools.cached_property
+    def recomputed(self) -> tuple[int, ...]:
+        """Positions (in `problem.eqns`) of the forward equations the backward runs again."""
+        graph = self.problem.graph
+        available = set(self.saved) | set(graph.cotangents) | set(graph.closed.jaxpr.constvars)
+        kept, _ = live_eqns(graph.eqns, graph.grads, available)
+        position = {i: e for e, i in enumerate(self.problem.eqns)}
+        return tuple(position[i] for i in kept if i in position)
+
+    def reasons(self, why_cheaper: str = "cheaper to save than to recompute",
+                costly_banned: bool = True) -> dict[Var, str]:
+        """Each saved value with the reason it is saved: `why_cheaper` for values the cost
+        model chose to save, "banned" for values of equations that are never recomputed
+        (compute-bound ones only when `costly_banned`)."""
+        problem = self.problem
+        graph = problem.graph
+        inputs = set(graph.inputs)
+        kind_of_value = {v: problem.kinds[problem.producer[k]] for k, v in enumerate(problem.values)}
+        out = {}
+        for v in self.saved:
+            if v in inputs:
+                out[v] = "input: saved as itself, free"
+                continue
+            prim = graph.eqns[graph.producer[v]].primitive.name
+            kind = kind_of_value[v]
+            if kind is Kind.UNSAFE:
+                out[v] = f"banned: {prim} is never run twice"
+            elif kind is Kind.COSTLY and costly_banned:
+                out[v] = f"banned: {prim} is compute-bound, not recomputed"
+            else:
+                out[v] = why_cheaper
+        return out
+
+
+def min_cut(graph: JointGraph, budget: float = 1.0) -> dict[Var, str]:
+    """The "min_cut" strategy: the cheapest saved set in bytes moved; with a budget below
+    1, fewer saved bytes at the least recompute cost (see `budget.py`)."""
+    problem = Problem.of(graph)
+    if budget >= 1.0:
+        return problem.full_cut().reasons()
+    from aotgrad.partition.budget import within_budget
+    return within_budget(problem, budget)
