@@ -154,7 +154,7 @@ def _partitioner_names() -> tuple[str, ...]:
 
 
 _OPTIONS: dict[str, Option] = {o.name: o for o in (
-    Option("partitioner", "default", _choice("partitioner", _partitioner_names), str,
+    Option("partitioner", "min_cut", _choice("partitioner", _partitioner_names), str,
            "Strategy that chooses which forward values the backward reads from memory.", keyed=True),
     Option("activation_memory_budget", 1.0, _fraction("activation_memory_budget"), float,
            "Fraction in [0, 1] of the saved-activation bytes the min_cut partitioner may keep: "

@@ -4,11 +4,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-import numpy as np
 from jax.extend.core import ClosedJaxpr
 
 from aotgrad._jax_internals import source_line
 from aotgrad.api import AOTFunction, Lowered, argnum_positions
+from aotgrad.partition.costs import nbytes as _nbytes
 from aotgrad.runtime import ProgramPair, Timings
 from aotgrad.signature import leaf_paths
 
@@ -67,8 +67,8 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.3f} MB ({n:,} bytes)"
 
 
-def _nbytes(aval: Any) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype)  # also for extended dtypes (PRNG keys: "key<fry>")
 
 
 def explain(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
@@ -99,12 +99,12 @@ def _report(f: AOTFunction, call: Any, pair: ProgramPair, timings: Timings) -> R
     paths = leaf_paths(f._spec, call.entry.in_tree)
     saved = []
     for v, eqn, why in zip(sp.activations, sp.producers, sp.reasons):
-        saved.append(SavedValue(tuple(v.aval.shape), np.dtype(v.aval.dtype).name, _nbytes(v.aval),
+        saved.append(SavedValue(tuple(v.aval.shape), _dtype_name(v.aval.dtype), _nbytes(v.aval),
                                 False, eqn.primitive.name, source_line(eqn), why))
     for i, why in zip(sp.saved_inputs, sp.reasons[len(sp.activations):]):
         aval = pair.in_avals[i]
         where = f"closed-over constant {i}" if i < n_consts else f"argument {paths[i - n_consts]}"
-        saved.append(SavedValue(tuple(aval.shape), np.dtype(aval.dtype).name, _nbytes(aval),
+        saved.append(SavedValue(tuple(aval.shape), _dtype_name(aval.dtype), _nbytes(aval),
                                 True, "input", where, why))
     return Report(
         function=f.name, partitioner=call.entry.strategy,

@@ -16,7 +16,7 @@ from aotgrad.config import ConfigError
 
 
 def test_defaults():
-    assert aotgrad.config.partitioner == "default"
+    assert aotgrad.config.partitioner == "min_cut"
     assert aotgrad.config.backward_pass_autocast == "same_as_forward"
     assert aotgrad.config.cache_size_limit >= 1
     assert aotgrad.config.log_recompiles is False

@@ -11,7 +11,13 @@ __all__ = ["save_what_backward_reads"]
 def save_what_backward_reads(graph: JointGraph, budget: float = 1.0) -> dict[Var, str]:
     """Saves the forward values read by backward equations or returned as gradients.
     Constants (values that depend on no input) are rebuilt in the backward instead.
-    The memory budget does not apply: this strategy has a single saved set."""
+    It has a single saved set, so a memory budget below 1 is an error, not ignored."""
+    if budget < 1.0:
+        from aotgrad.config import ConfigError
+        raise ConfigError(
+            f"aotgrad.config.activation_memory_budget={budget:g} needs a partitioner that can "
+            f"recompute; partitioner='default' always saves what the backward reads. "
+            f"Use partitioner='min_cut'.")
     saved: dict[Var, str] = {}
 
     def visit(v: object) -> None:

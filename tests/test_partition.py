@@ -1,0 +1,265 @@
+"""The partitioners: gradients under every strategy and budget, saved sets whose optimum
+is known by hand, the reference block's saved bytes, monotonicity in the budget, random
+bits reproduced by recomputation, collectives never duplicated, and explain's reasons."""
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import aotgrad
+from aotgrad.partition import PARTITIONERS, partition
+from aotgrad.trace import trace_joint
+
+try:
+    from tests import test_corpus as tc
+    from tests.partition_configs import config_id, partitioner_configs
+except ImportError:  # tests/ itself on sys.path
+    import test_corpus as tc  # type: ignore[no-redef]
+    from partition_configs import config_id, partitioner_configs  # type: ignore[no-redef]
+
+split_module = importlib.import_module("aotgrad.partition.split")
+
+# test_corpus.py runs the whole corpus under the configured default; here, every other
+# partitioner and budget, on the broadest check (vjp w.r.t. every dynamic argument).
+_DEFAULT = {"partitioner": aotgrad.config.partitioner,
+            "activation_memory_budget": aotgrad.config.activation_memory_budget}
+_OTHER_CONFIGS = [c for c in partitioner_configs() if {**_DEFAULT, **c} != _DEFAULT]
+
+
+@pytest.mark.parametrize("config", _OTHER_CONFIGS, ids=config_id)
+@pytest.mark.parametrize("name", [p.name for p in tc.PROGRAMS])
+def test_corpus_gradients_under_every_partitioner_and_budget(name: str, config: dict) -> None:
+    c, prog = tc.case(name), tc.BY_NAME[name]
+    with aotgrad.config.patch(**config):
+        f = aotgrad.compile(prog.fn, static_argnums=prog.static_argnums)
+        got = tc.vjp_all(f, prog, c["args"], c["kwargs"], c["ct"])
+    tc.assert_trees_close(got, tc.reference(name)["vjp_all"], rtol=prog.rtol, atol=prog.atol)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _graph(fn: Any, *args: Any) -> Any:
+    """The joint graph aotgrad builds for `fn(*args)`, every float input differentiated."""
+    f = aotgrad.compile(fn)
+    call = f._resolve(args, {})
+    entry = call.entry
+    return trace_joint(entry.fwd, entry.perturbed_for(None), entry.default_has_ct())
+
+
+def _activations(sp: Any) -> list[Any]:
+    return [v.aval for v in sp.activations]
+
+
+def _nbytes(aval: Any) -> int:
+    return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+
+
+def _rand(seed: int, *shape: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+
+
+# ----------------------------------------------------------------------------- known cuts
+
+def test_pointwise_chain_after_a_matmul_saves_exactly_the_matmul_output() -> None:
+    def f(x, w):
+        h = x @ w
+        return jnp.sum(jnp.sin(jnp.tanh(jnp.exp(h * 0.1)) * 2.0 + 1.0))
+    sp = partition(_graph(f, _rand(0, 16, 8), _rand(1, 8, 32)), "min_cut")
+    assert len(sp.activations) == 1
+    assert sp.producers[0].primitive.name == "dot_general"
+    assert sp.activations[0].aval.shape == (16, 32)
+
+
+def test_pointwise_chain_on_inputs_saves_no_activation() -> None:
+    def f(x):
+        return jnp.sum(jnp.tanh(jnp.exp(jnp.sin(x))))
+    sp = partition(_graph(f, _rand(0, 64)), "min_cut")
+    assert sp.activations == () and sp.saved_inputs == (0,)
+    assert partition(_graph(f, _rand(0, 64)), "default").activations  # default saves tanh etc.
+
+
+def test_derived_weight_copies_are_recomputed_not_saved() -> None:
+    def f(x, w):  # a cast and a transpose of the weight, read by the backward
+        return jnp.sum(jnp.tanh(x @ w.T.astype(jnp.bfloat16).astype(jnp.float32)))
+    sp = partition(_graph(f, _rand(0, 8, 16), _rand(1, 32, 16)), "min_cut")
+    assert {e.primitive.name for e in sp.producers} == {"dot_general"}
+    assert 1 in sp.saved_inputs  # the weight itself, free
+
+
+def test_small_reductions_are_saved_large_inputs_are_not_reread() -> None:
+    def f(x):  # layer-norm statistics: saving [n, 1] beats re-reading [n, 512]
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        return jnp.sum(jnp.tanh((x - mean) * jax.lax.rsqrt(var + 1e-5)))
+    sp = partition(_graph(f, _rand(0, 64, 512)), "min_cut")
+    assert sp.activations and all(a.shape in ((64,), (64, 1)) for a in _activations(sp))
+
+
+# ----------------------------------------------------------------------------- the reference block
+
+@pytest.fixture(scope="module")
+def reference_block() -> Any:
+    from benchmarks.workloads import transformer_block
+    loss, params, batch = transformer_block(0, batch=8, seq=128, d_model=256, heads=8)
+    f = aotgrad.compile(loss)
+    call = f._resolve((params, batch), {})
+    entry = call.entry
+    graph = trace_joint(entry.fwd, entry.perturbed_for({0}), entry.default_has_ct())
+    return graph
+
+
+def test_reference_block_saved_bytes(reference_block: Any) -> None:
+    b, t, d, h = 8, 128, 256, 8
+    act, scores = b * t * d * 4, b * h * t * t * 4
+    default = sum(map(_nbytes, _activations(partition(reference_block, "default"))))
+    sp = partition(reference_block, "min_cut")
+    got = sum(map(_nbytes, _activations(sp)))
+    # q, k, v, the attention scores, the attention output, the projection output, the
+    # pre-GELU matmul output, the MLP output (the loss reads y - target), and small
+    # softmax / layer-norm statistics.
+    big = 3 * act + scores + act + act + 4 * act + act
+    small = 2 * b * h * t * 4 + 4 * b * t * 4  # softmax max and sum; mean and variance of both norms
+    assert got == big + small == 14_761_984
+    assert got <= 0.33 * default and default == 45_163_520
+    assert got <= 0.75 * 19.9e6  # PyTorch 2.13 AOTAutograd's min-cut on the same block
+    assert {e.primitive.name for e in sp.producers} <= {"dot_general", "reshape", "reduce_sum", "reduce_max"}
+
+
+def test_saved_bytes_are_monotone_in_the_budget(reference_block: Any) -> None:
+    budgets = np.linspace(0.0, 1.0, 11)
+    saved = [sum(map(_nbytes, _activations(partition(reference_block, "min_cut", float(b)))))
+             for b in budgets]
+    assert saved == sorted(saved), saved
+    b0, b1 = saved[0], saved[-1]
+    assert b0 == 0  # nothing must be saved: every value can be recomputed from the inputs
+    assert b1 == 14_761_984
+    for b, s in zip(budgets, saved):
+        assert s <= b0 + b * (b1 - b0) + 1e-6
+    assert len(set(saved)) >= 4  # the ladder offers real intermediate points
+
+
+def test_budget_zero_recomputes_matmuls(reference_block: Any) -> None:
+    sp = partition(reference_block, "min_cut", 0.0)
+    assert dict(sp.recomputed)["dot_general"] >= 6
+
+
+def test_default_partitioner_rejects_a_budget() -> None:
+    with aotgrad.config.patch(partitioner="default", activation_memory_budget=0.5):
+        with pytest.raises(aotgrad.ConfigError, match="activation_memory_budget=0.5 needs a partitioner"):
+            jax.grad(aotgrad.compile(lambda x: jnp.sum(jnp.sin(x))))(jnp.ones(3))
+
+
+# ----------------------------------------------------------------------------- random bits
+
+def _dropout_mlp(params: dict, x: jax.Array, key: jax.Array) -> jax.Array:
+    for i, w in enumerate(params["w"]):
+        x = jnp.tanh(x @ w)
+        keep = jax.random.bernoulli(jax.random.fold_in(key, i), 0.6, x.shape)
+        x = jnp.where(keep, x / 0.6, 0.0)
+    return jnp.mean(x ** 2)
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.25, 0.5, 1.0])
+def test_recomputed_random_bits_reproduce_the_forward(budget: float) -> None:
+    params = {"w": [_rand(i, 32, 32) * 0.3 for i in range(3)]}
+    x, key = _rand(9, 16, 32), jax.random.key(3)
+    want = jax.value_and_grad(_dropout_mlp)(params, x, key)
+    with aotgrad.config.patch(partitioner="min_cut", activation_memory_budget=budget):
+        f = aotgrad.compile(_dropout_mlp)
+        got = jax.value_and_grad(f)(params, x, key)
+        report = aotgrad.explain(f, params, x, key, argnums=0)
+    tc.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+    if budget == 0.0:
+        assert "random_bits" in dict(report.recomputed)
+        assert report.saved_bytes == 0
+
+
+# ----------------------------------------------------------------------------- control flow, collectives
+
+def test_scan_and_cond_graphs_partition_at_every_budget() -> None:
+    def f(w, xs):
+        def body(h, x):
+            h = jnp.tanh(h @ w + x)
+            return h, jax.lax.cond(jnp.sum(h) > 0, jnp.sin, jnp.cos, h)
+        _, ys = jax.lax.scan(body, jnp.zeros(8), xs)
+        return jnp.sum(ys ** 2)
+    w, xs = _rand(0, 8, 8) * 0.5, _rand(1, 5, 8)
+    want = jax.value_and_grad(f)(w, xs)
+    for budget in (0.0, 0.5, 1.0):
+        with aotgrad.config.patch(partitioner="min_cut", activation_memory_budget=budget):
+            got = jax.value_and_grad(aotgrad.compile(f))(w, xs)
+        tc.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _count(jaxpr: Any, names: set[str]) -> int:
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name in names
+        for sub in aotgrad.partition.rules.sub_jaxprs(eqn):
+            n += _count(sub, names)
+    return n
+
+
+@pytest.mark.parametrize("budget", [0.0, 1.0])
+def test_collectives_inside_shard_map_are_never_recomputed(budget: float) -> None:
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+
+    def f(w, x):
+        def body(w, x):
+            h = jnp.tanh(x @ w)
+            return jax.lax.psum(jnp.sum(h * h), "d")
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())(w, x)
+    w, x = _rand(0, 8, 8), _rand(1, 4, 8)
+    graph = _graph(f, w, x)
+    with_default = partition(graph, "default")
+    sp = partition(graph, "min_cut", budget)
+    collectives = {"psum", "all_gather", "ppermute", "psum_scatter", "all_to_all", "pbroadcast"}
+    # The forward's shard_map (holding the psum) is never run again in the backward.
+    assert _count(sp.backward.jaxpr, collectives) == _count(with_default.backward.jaxpr, collectives)
+    assert "shard_map" not in dict(sp.recomputed)
+    with aotgrad.config.patch(partitioner="min_cut", activation_memory_budget=budget):
+        got = jax.value_and_grad(aotgrad.compile(f), argnums=(0, 1))(w, x)
+    tc.assert_trees_close(got, jax.value_and_grad(f, argnums=(0, 1))(w, x), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- schedule, explain
+
+def test_recomputation_is_emitted_just_before_first_use() -> None:
+    def f(ws, x):
+        for w in ws:
+            x = x + jnp.sin(x @ w)
+        return jnp.sum(x)
+    ws = [_rand(i, 16, 16) * 0.3 for i in range(3)]
+    graph = _graph(f, ws, _rand(5, 4, 16))
+    sp = partition(graph, "min_cut")
+    eqns = sp.backward.jaxpr.eqns
+    names = [e.primitive.name for e in eqns]
+    # sin's derivative, cos, is recomputed for every layer (each matmul output is saved) ...
+    assert names.count("cos") == 3 and dict(sp.recomputed)["cos"] == 3
+    # ... each just before its own layer's backward: not all at the start.
+    first_dot = names.index("dot_general")
+    assert max(i for i, n in enumerate(names) if n == "cos") > first_dot
+    order = split_module.recompute_late(graph, list(range(len(graph.eqns))))
+    assert sorted(order) == list(range(len(graph.eqns)))
+
+
+def test_explain_gives_reasons_and_recomputed_counts() -> None:
+    def f(x, w):
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+    x, w = _rand(0, 8, 16), _rand(1, 16, 16)
+    report = aotgrad.explain(aotgrad.compile(f), x, w)
+    why = {s.reason for s in report.saved}
+    assert any(r.startswith("banned: dot_general") for r in why), why
+    assert "input: saved as itself, free" in why
+    assert dict(report.recomputed)["tanh"] == 1
+    with aotgrad.config.patch(activation_memory_budget=0.0):
+        report0 = aotgrad.explain(aotgrad.compile(f), x, w)
+    assert report0.saved_bytes == 0 and dict(report0.recomputed)["dot_general"] == 1
+    assert "min_cut" in PARTITIONERS and report.partitioner == "min_cut"
