@@ -8,9 +8,9 @@ A knapsack over individual values would ignore that recomputing one value change
 else must be saved (its inputs). Instead, memory is priced: each saved byte costs an
 extra `price` on top of the bytes-moved model, compute-bound equations may be
 recomputed at their FLOP cost, and the cut is solved again for a ladder of prices. Each
-solution is the cheapest (in recompute + traffic) for its saved bytes; the chosen one is
-the cheapest that fits the budget. Choosing from one fixed ladder makes saved bytes
-monotone in the budget by construction.
+solution is the cheapest (in recompute + traffic) for its saved bytes. Greedy cuts fill
+the gaps pricing skips. The chosen cut is the cheapest candidate that fits the budget;
+because the candidates do not depend on the budget, saved bytes are monotone in it.
 """
 from __future__ import annotations
 
@@ -20,20 +20,44 @@ from jax.extend.core import Var
 from aotgrad.partition.min_cut import Cut, Problem
 from aotgrad.partition.rules import Kind
 
-__all__ = ["PRICES", "ladder", "within_budget"]
+__all__ = ["GREEDY_STEPS", "PRICES", "ladder", "within_budget"]
 
 # Extra cost per saved byte, in the cost model's units (a byte moved costs 1 or 2).
 PRICES = tuple(2.0 ** k for k in range(-4, 13))
+GREEDY_STEPS = 24  # at most this many greedy cuts (more values are forbidden per step on big graphs)
 
 
 def ladder(problem: Problem) -> list[Cut]:
-    """Candidate cuts from most to least saved bytes: the full cut, the priced cuts,
-    and the cut that saves only what can never be recomputed."""
+    """Candidate cuts: the full cut, the priced cuts, the greedy cuts, and last the cut
+    that saves only what can never be recomputed."""
     relaxed = problem.recompute_costs(allow_costly=True)
-    cuts = [problem.full_cut()]
+    full = problem.full_cut()
+    cuts = [full]
     cuts += [problem.solve(problem.save_costs + price * problem.nbytes, relaxed) for price in PRICES]
+    cuts += _greedy(problem, full, relaxed)
     unsafe = np.asarray([np.inf if k is Kind.UNSAFE else 0.0 for k in problem.kinds])
     cuts.append(problem.solve(problem.nbytes, unsafe))
+    return cuts
+
+
+def _greedy(problem: Problem, start: Cut, relaxed: np.ndarray) -> list[Cut]:
+    """Pricing finds the convex hull of (bytes, cost) and skips points between (when
+    several layers cost the same, all flip at one price). These fill the gaps: from the
+    full cut, repeatedly forbid saving the compute-bound values that free the most bytes
+    per unit of recompute cost, and solve again."""
+    position = {v: k for k, v in enumerate(problem.values)}
+    save = problem.save_costs.copy()
+    cuts, cut = [], start
+    for _ in range(GREEDY_STEPS):
+        costly = [position[v] for v in cut.saved if v in position
+                  and problem.kinds[problem.producer[position[v]]] is Kind.COSTLY]
+        if not costly:
+            break
+        ratio = {k: problem.nbytes[k] / max(relaxed[problem.producer[k]], 1.0) for k in costly}
+        ranked = sorted(costly, key=lambda k: (-ratio[k], k))
+        save[ranked[:max(1, len(ranked) // GREEDY_STEPS)]] = np.inf
+        cut = problem.solve(save, relaxed)
+        cuts.append(cut)
     return cuts
 
 
