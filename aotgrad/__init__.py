@@ -6,6 +6,9 @@
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     fwd, bwd = aotgrad.fwd_and_bwd(loss_fn, argnums=0)
     print(aotgrad.explain(loss_fn, params, batch))
+
+    with aotgrad.autocast("gpu", dtype=jnp.bfloat16):   # per-op mixed precision
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
 """
 from aotgrad.api import AOTFunction as AOTFunction
 from aotgrad.api import CacheInfo as CacheInfo
@@ -13,8 +16,15 @@ from aotgrad.api import Compiled as Compiled
 from aotgrad.api import Lowered as Lowered
 from aotgrad.api import compile as compile
 from aotgrad.api import fwd_and_bwd as fwd_and_bwd
+from aotgrad.autocast import CastCounts as CastCounts
+from aotgrad.autocast import autocast as autocast
+from aotgrad.autocast import register as register_autocast_policy
+from aotgrad.autocast import table as autocast_policy_table
 from aotgrad.config import ConfigError as ConfigError
 from aotgrad.config import config as config
+from aotgrad.loss_scale import DynamicLossScale as DynamicLossScale
+from aotgrad.loss_scale import all_finite as all_finite
+from aotgrad.loss_scale import select_tree as select_tree
 from aotgrad.report import Report as Report
 from aotgrad.report import SavedValue as SavedValue
 from aotgrad.report import explain as explain

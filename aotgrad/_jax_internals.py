@@ -2,17 +2,20 @@
 
 - source information on equations (to re-bind an equation under the user's source line,
   and to print that line in reports);
-- the traceback filter (so aotgrad's own frames never appear as "the user's line").
+- the traceback filter (so aotgrad's own frames never appear as "the user's line");
+- name-stack scopes of equations (autocast markers) and wrapping functions as the
+  params of `custom_jvp_call` / `custom_vjp_call` expect (to rewrite their rules).
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-from jax._src import source_info_util, traceback_util
+from jax._src import linear_util, source_info_util, traceback_util
 from jax._src.core import Tracer
 
-__all__ = ["Tracer", "bind_eqn", "source_line"]
+__all__ = ["Tracer", "bind_eqn", "eqn_context", "name_scopes", "source_line", "wrap_like"]
 
 traceback_util.register_exclusion(os.path.dirname(__file__))
 
@@ -33,3 +36,26 @@ def source_line(eqn: Any) -> str:
     if info is None:
         return "<unknown>"
     return source_info_util.summarize(info)
+
+
+def name_scopes(eqn: Any) -> tuple[str, ...]:
+    """The `jax.named_scope` names on `eqn`'s name stack, outermost first (transforms such
+    as ``jvp`` / ``transpose`` are skipped)."""
+    stack = getattr(getattr(eqn, "source_info", None), "name_stack", None)
+    if stack is None:
+        return ()
+    return tuple(s.name for s in stack.stack if isinstance(s, source_info_util.Scope))
+
+
+@contextlib.contextmanager
+def eqn_context(eqn: Any) -> Iterator[None]:
+    """Binds made inside run under `eqn`'s source info and name stack (used when an
+    equation's body is evaluated in place, so the body's equations keep its scopes)."""
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        yield
+
+
+def wrap_like(fn: Callable[..., Any], like: Any) -> Any:
+    """`fn` wrapped the way a `custom_jvp_call` / `custom_vjp_call` param `like` is."""
+    return linear_util.wrap_init(fn, debug_info=like.debug_info)

@@ -16,6 +16,7 @@ import numpy as np
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_structure, tree_unflatten
 
 from aotgrad._jax_internals import Tracer
+from aotgrad.autocast.context import current_setting
 from aotgrad.config import config
 from aotgrad.runtime import Entry, ProgramPair, Saved, Timings
 from aotgrad.signature import ArgSpec, CallKey, ArrayImpl, aval_key, describe_key_change, key_text, leaf_key
@@ -99,7 +100,7 @@ class AOTFunction:
         static, dyn_args, dyn_kwargs = self._spec.split(args, kwargs)
         leaves, in_tree = self._spec.flatten(dyn_args, dyn_kwargs)
         snapshot = config.snapshot()
-        key = CallKey(static, in_tree, tuple(map(leaf_key, leaves)), snapshot.key)
+        key = CallKey(static, in_tree, tuple(map(leaf_key, leaves)), snapshot.key, current_setting())
         entry = self._cache.get(key)  # hit path without the lock: dict reads are atomic
         if entry is not None:
             try:
@@ -127,7 +128,7 @@ class AOTFunction:
             a, k = self._spec.merge(static, dyn_args, dyn_kwargs)
             return self._fn(*a, **k)
 
-        fwd = trace_forward(flat_fn, self.name, tuple(map(jax.typeof, leaves)))
+        fwd = trace_forward(flat_fn, self.name, tuple(map(jax.typeof, leaves)), key.autocast)
         arg_positions = tuple(i for i in range(n_args) if i not in self._spec.static_argnums
                               and (i - n_args) not in self._spec.static_argnums)
         entry = Entry(self.name, fwd, in_tree, arg_positions, snapshot, self._donate)

@@ -163,6 +163,13 @@ _OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("backward_pass_autocast", "same_as_forward", _backward_pass_autocast, _env_json_or_text,
            "Autocast context the backward program is built under: 'same_as_forward', 'off', "
            "a dict of autocast arguments, or a list of dicts applied as nested contexts.", keyed=True),
+    Option("donate_saved", False, _bool("donate_saved"), _env_bool,
+           "The backward program takes ownership of the saved activations (XLA donation) and "
+           "releases them; a second backward on the same saved values is an error.", keyed=True),
+    Option("detect_anomaly", False, _bool("detect_anomaly"), _env_bool,
+           "Build backward programs that check every value for NaN/Inf; when a gradient is not "
+           "finite, raise naming the forward operation (and source line) whose derivative "
+           "produced it. Keyed: off, programs carry no check.", keyed=True),
     Option("cache_size_limit", 64, _positive_int("cache_size_limit"), int,
            "Compiled entries kept per function; past it the least recently used is evicted.", keyed=False),
     Option("log_recompiles", False, _bool("log_recompiles"), _env_bool,

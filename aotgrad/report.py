@@ -8,6 +8,7 @@ from jax.extend.core import ClosedJaxpr
 
 from aotgrad._jax_internals import source_line
 from aotgrad.api import AOTFunction, Lowered, argnum_positions
+from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.partition.costs import nbytes as _nbytes
 from aotgrad.runtime import ProgramPair, Timings
 from aotgrad.signature import leaf_paths
@@ -40,6 +41,7 @@ class Report:
     saved_input_bytes: int
     recomputed: tuple[tuple[str, int], ...]  # (primitive, count) recomputed in the backward
     timings: Timings  # compile is ~0 when XLA's compilation cache already held the programs
+    casts: CastCounts = CastCounts()  # casts autocast inserted, by policy, forward and backward
 
     def __str__(self) -> str:
         rows = [("#", "shape", "dtype", "bytes", "kind", "produced by", "source", "why")]
@@ -57,6 +59,8 @@ class Report:
                      f"{_mb(self.saved_input_bytes)} in {sum(s.is_input for s in self.saved)} arrays")
         recomputed = ", ".join(f"{p} x{n}" for p, n in self.recomputed) or "nothing"
         lines.append(f"recomputed in the backward: {recomputed}")
+        if self.casts.total:
+            lines.append(f"autocast casts: {self.casts}")
         t = self.timings
         lines.append(f"seconds: trace {t.trace:.3f}, partition {t.partition:.3f}, "
                      f"lower {t.lower:.3f}, compile {t.compile:.3f}")
@@ -111,4 +115,4 @@ def _report(f: AOTFunction, call: Any, pair: ProgramPair, timings: Timings) -> R
         forward_jaxpr=sp.forward, backward_jaxpr=sp.backward, saved=tuple(saved),
         saved_bytes=sum(s.nbytes for s in saved if not s.is_input),
         saved_input_bytes=sum(s.nbytes for s in saved if s.is_input),
-        recomputed=sp.recomputed, timings=timings)
+        recomputed=sp.recomputed, timings=timings, casts=pair.casts)

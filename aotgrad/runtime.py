@@ -2,6 +2,7 @@
 that makes a compiled function differentiable by `jax.grad` / `jax.vjp`."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -13,16 +14,27 @@ import jax
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import jaxpr_as_fun
+from jax.sharding import SingleDeviceSharding
 from jax.tree_util import tree_leaves, tree_unflatten
 
+from aotgrad import anomaly
+
+from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.config import Snapshot, config
 from aotgrad.partition import JointGraph, Split, partition
-from aotgrad.trace import ForwardTrace, differentiable, trace_joint
+from aotgrad.signature import ArrayImpl
+from aotgrad.trace import ForwardTrace, autocast_backward, differentiable, trace_joint
 
 __all__ = ["Entry", "ProgramPair", "Saved", "Timings"]
 
 logger = logging.getLogger("aotgrad")
 _dump_counter = itertools.count()
+
+_RELEASED = (
+    "aotgrad.compile({owner}): saved values were released after the first backward: "
+    "aotgrad.config.donate_saved=True gives the backward program ownership of them. To run "
+    "the backward more than once on the same saved values (e.g. call a jax.vjp function "
+    "twice), run the forward under aotgrad.config.patch(donate_saved=False).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +61,23 @@ class ProgramPair:
     split: Split
     timings: Timings
     in_avals: tuple[Any, ...]
+    casts: CastCounts = CastCounts()  # casts autocast inserted, forward and backward
+    donate_saved: bool = False  # the backward takes ownership of the saved activations
+    detect_anomaly: bool = False  # the backward also reports where a NaN/Inf first appeared
 
     def __post_init__(self) -> None:
         self.forward = jax.jit(jaxpr_as_fun(self.split.forward))
-        self.backward = jax.jit(jaxpr_as_fun(self.split.backward))
         self.n_outs = self.graph.n_outs
         self.layouts: dict[object, Any] = {}  # per fwd_and_bwd: how its bwd regroups gradients
+        self.grad_inputs = tuple(i for i, p in enumerate(self.perturbed) if p)
+        self.n_activations = len(self.split.activations)
+        self._backward_fn = (anomaly.checked(self.split.backward) if self.detect_anomaly
+                             else jaxpr_as_fun(self.split.backward))
+        self._donated = _aliasable(self.split.backward, self.n_activations) if self.donate_saved else ()
+        self._programs: dict[Any, Any] = {}  # gradient shardings -> backward program
+        self.backward = self._backward_program(None)
+        if self.donate_saved or self.detect_anomaly:
+            self.run_backward = self._run_backward_guarded  # type: ignore[method-assign]
 
     @classmethod
     def build(cls, owner: str, fwd: ForwardTrace, perturbed: tuple[bool, ...],
@@ -64,8 +87,10 @@ class ProgramPair:
         t1 = time.perf_counter()
         sp = partition(graph, options["partitioner"], options["activation_memory_budget"])
         t2 = time.perf_counter()
-        return cls(owner, perturbed, has_ct, graph, sp, Timings(trace=t1 - t0, partition=t2 - t1),
-                   tuple(fwd.in_avals))
+        sp, casts = autocast_backward(sp, graph, fwd, options["backward_pass_autocast"])
+        t3 = time.perf_counter()
+        return cls(owner, perturbed, has_ct, graph, sp, Timings(trace=t1 - t0 + t3 - t2, partition=t2 - t1),
+                   tuple(fwd.in_avals), casts, options["donate_saved"], options["detect_anomaly"])
 
     # ---------------------------------------------------------------- running
 
@@ -73,12 +98,47 @@ class ProgramPair:
         results = self.forward(*inputs)
         saved = results[self.n_outs:]
         saved.extend(inputs[i] for i in self.split.saved_inputs)
-        return results[:self.n_outs], Saved(saved, self)
+        return results[:self.n_outs], Saved(saved, self, self._grad_shardings(inputs, results))
 
     def run_backward(self, saved: "Saved", cts: Sequence[Any]) -> list[Any]:
         """`cts`: one cotangent per output that has one. Returns one cotangent per
         perturbed input."""
-        return self.backward(*saved.arrays, *cts)
+        if saved.grad_shardings is None:
+            return self.backward(*saved.arrays, *cts)
+        return self._backward_program(saved.grad_shardings)(*saved.arrays, *cts)
+
+    def _run_backward_guarded(self, saved: "Saved", cts: Sequence[Any]) -> list[Any]:
+        """`run_backward` under donate_saved (refuse released values, release them after)
+        and/or detect_anomaly (raise where a NaN/Inf first appeared)."""
+        owned = [a for a in saved.arrays[:self.n_activations] if type(a) is ArrayImpl]
+        if self.donate_saved and any(a.is_deleted() for a in owned):
+            raise RuntimeError(_RELEASED.format(owner=self.owner))
+        results = self._backward_program(saved.grad_shardings)(*saved.arrays, *cts)
+        if self.donate_saved:
+            for a in owned:  # XLA consumed those it aliased; release the rest now
+                a.delete()
+        return anomaly.check(self, results) if self.detect_anomaly else results
+
+    def _backward_program(self, shardings: tuple[Any, ...] | None) -> Any:
+        """The jitted backward, with out_shardings pinned to the gradients' shardings."""
+        program = self._programs.get(shardings)
+        if program is None:
+            pinned = {}
+            if shardings is not None:
+                pinned["out_shardings"] = [*shardings, None] if self.detect_anomaly else list(shardings)
+            program = jax.jit(self._backward_fn, donate_argnums=self._donated, **pinned)
+            self._programs[shardings] = program
+        return program
+
+    def _grad_shardings(self, inputs: Sequence[Any], results: Sequence[Any]) -> tuple[Any, ...] | None:
+        """When the forward ran over several devices: the differentiated inputs' shardings,
+        which the backward gives their gradients (None: XLA chooses). None on one device or
+        under a trace."""
+        probe = results[0] if results else None
+        if type(probe) is not ArrayImpl or type(probe.sharding) is SingleDeviceSharding:
+            return None
+        shardings = [getattr(inputs[i], "sharding", None) for i in self.grad_inputs]
+        return tuple(None if type(s) is SingleDeviceSharding else s for s in shardings)
 
     # ---------------------------------------------------------------- inspection
 
@@ -108,16 +168,18 @@ class Saved:
     saved `jax.Array`s (activations first, then saved inputs). It remembers which program
     pair produced it, so a backward can refuse values saved by another function."""
 
-    def __init__(self, arrays: Sequence[Any], pair: ProgramPair) -> None:
+    def __init__(self, arrays: Sequence[Any], pair: ProgramPair,
+                 grad_shardings: tuple[Any, ...] | None = None) -> None:
         self.arrays = arrays
         self.pair = pair
+        self.grad_shardings = grad_shardings  # the differentiated inputs' shardings (sharded runs)
 
-    def tree_flatten(self) -> tuple[Sequence[Any], ProgramPair]:
-        return self.arrays, self.pair
+    def tree_flatten(self) -> tuple[Sequence[Any], tuple[ProgramPair, Any]]:
+        return self.arrays, (self.pair, self.grad_shardings)
 
     @classmethod
-    def tree_unflatten(cls, pair: ProgramPair, arrays: Sequence[Any]) -> "Saved":
-        return cls(arrays, pair)
+    def tree_unflatten(cls, aux: tuple[ProgramPair, Any], arrays: Sequence[Any]) -> "Saved":
+        return cls(arrays, *aux)
 
     @property
     def nbytes(self) -> int:
@@ -201,6 +263,19 @@ class Entry:
 
         call.defvjp(fwd, bwd, symbolic_zeros=True)
         return call
+
+
+def _aliasable(backward: Any, n: int) -> tuple[int, ...]:
+    """Positions among the first `n` backward inputs (the activations) that XLA can alias to
+    a gradient of the same type; donating the others would only warn."""
+    free = collections.Counter((a.shape, a.dtype, a.weak_type) for a in backward.out_avals)
+    picks = []
+    for i, a in enumerate(backward.in_avals[:n]):
+        key = (a.shape, a.dtype, a.weak_type)
+        if free[key]:
+            free[key] -= 1
+            picks.append(i)
+    return tuple(picks)
 
 
 def _mask_text(mask: Sequence[bool]) -> str:

@@ -34,6 +34,7 @@ class CallKey(NamedTuple):
     in_tree: Any  # PyTreeDef of (dynamic args, dynamic kwargs)
     leaves: tuple[tuple, ...]  # `leaf_key` of each dynamic leaf
     options: tuple[tuple[str, Any], ...]  # keyed config options
+    autocast: Any = None  # the autocast setting in force (an `autocast.Setting`), None: off
 
 
 def aval_key(aval: Any) -> tuple:
@@ -185,6 +186,8 @@ def describe_key_change(spec: ArgSpec, old: CallKey, new: CallKey) -> list[str]:
             if old_s.get(k) != new_s.get(k):
                 name = spec.arg_name(k) if isinstance(k, int) else k
                 reasons.append(f"static argument {name} changed: {old_s.get(k)!r} -> {new_s.get(k)!r}")
+    if old.autocast != new.autocast:
+        reasons.append(f"autocast changed: {old.autocast or 'off'} -> {new.autocast or 'off'}")
     for (name, a), (_, b) in zip(old.options, new.options):
         if a != b:
             reasons.append(f"option aotgrad.config.{name} changed: {a!r} -> {b!r}")

@@ -3,11 +3,12 @@
     python -m benchmarks.run                                  # config/cpu.toml
     python -m benchmarks.run --workloads=transformer_block --strategies='fused,aotgrad:*'
     python -m benchmarks.run --suite=config/gpu.toml --repeats=20 --plot=benchmarks/results/latest.png
-    python -m benchmarks.run --peers                          # add eager PyTorch when installed
+    python -m benchmarks.run --peers                          # add the PyTorch peers when installed
 
 Progress goes to stderr; the comparison table to stdout; everything to the JSON file.
 Strategy names: `fused`, `jax_fwd_and_bwd`, `aotgrad:<partitioner>` for every name in
-`aotgrad.partition.PARTITIONERS` (suites say `aotgrad:*`), and `torch_eager` with --peers.
+`aotgrad.partition.PARTITIONERS` (suites say `aotgrad:*`), and with --peers `torch_eager` and
+`torch_aot_min_cut` (--strategies filters them too: add `torch_*` to keep them).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from benchmarks import overhead as overhead_mod
 from benchmarks import peers_torch, report, suite as suite_mod
 from benchmarks.measure import interleaved, steps_for, summarize, time_steps
 from benchmarks.records import Row, machine_info, now, versions
-from benchmarks.strategies import AOTGRAD_PREFIX, Prepared, available, expand, max_relative_error, prepare
+from benchmarks.strategies import AOTGRAD_PREFIX, Prepared, expand, max_relative_error, prepare
 from benchmarks.workloads import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +44,8 @@ flags.DEFINE_list("strategies", None, "Only these strategies, e.g. 'fused,aotgra
 flags.DEFINE_integer("repeats", None, "Interleaved timing rounds per workload (overrides the suite).")
 flags.DEFINE_string("out", DEFAULT_OUT, "Where to write the JSON results.")
 flags.DEFINE_string("plot", None, "Write a PNG plot (saved bytes vs step time) here; needs matplotlib.")
-flags.DEFINE_bool("peers", False, "Include eager PyTorch (torch_eager) when torch is importable.")
+flags.DEFINE_bool("peers", False, "Include the PyTorch peers (torch_eager, torch_aot_min_cut) when "
+                  "torch is importable.")
 
 
 def log(msg: str) -> None:
@@ -72,17 +74,21 @@ def select_strategies(suite: suite_mod.Suite, only: Sequence[str] | None,
     if peers:
         why = peers_torch.available()
         if why is None:
-            names.append(peers_torch.NAME)
+            names.extend(peers_torch.NAMES)
         else:
             messages.append(why)
     if only:
+        extra = []  # available strategies the suite does not list, named on the command line
         for pat in only:
             if not any(fnmatch.fnmatchcase(n, pat) for n in names):
-                if pat.startswith(AOTGRAD_PREFIX) and not any(fnmatch.fnmatchcase(n, pat) for n in available()):
-                    messages += expand([pat])[1]
+                hits, why = expand([pat])
+                if hits:
+                    extra += [h for h in hits if h not in extra]
+                elif pat.startswith(AOTGRAD_PREFIX):
+                    messages += why
                 else:
                     messages.append(f"--strategies: {pat!r} matches none of {names}")
-        names = [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in only)]
+        names = [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in only)] + extra
     return names, messages
 
 
@@ -105,8 +111,8 @@ def select_workloads(suite: suite_mod.Suite, only: Sequence[str] | None
 # ----------------------------------------------------------------------------- one workload
 
 def _prepare(name: str, w: Any, memory: bool) -> Prepared:
-    if name == peers_torch.NAME:
-        return peers_torch.prepare_torch(w)
+    if name in peers_torch.NAMES:
+        return peers_torch.prepare_torch(w, name)
     return prepare(name, w, memory)
 
 
@@ -246,7 +252,8 @@ def run_suite(suite: suite_mod.Suite, *, workloads: Sequence[str] | None = None,
                              suite.memory_analysis, f"[{i}/{len(specs)}]")
 
     overhead_rows: list[overhead_mod.OverheadRow] = []
-    aot = [s[len(AOTGRAD_PREFIX):] for s in names if s.startswith(AOTGRAD_PREFIX)]
+    # Call overhead: one row per partitioner (budgets do not change the call path).
+    aot = [s[len(AOTGRAD_PREFIX):] for s in names if s.startswith(AOTGRAD_PREFIX) and "@" not in s]
     if with_overhead and suite.overhead is not None:
         if aot:
             try:

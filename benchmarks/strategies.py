@@ -4,7 +4,13 @@
 - `jax_fwd_and_bwd`: `jax.fwd_and_bwd(loss, argnums=0)`, separate forward and backward
   programs with JAX's own residuals (the peer aotgrad is measured against);
 - `aotgrad:<name>`: `aotgrad.fwd_and_bwd(loss, argnums=0)` built under
-  `aotgrad.config.patch(partitioner=<name>)`, one per registered partitioner.
+  `aotgrad.config.patch(partitioner=<name>)`, one per registered partitioner;
+- `aotgrad:<name>@<budget>`: the same with `activation_memory_budget=<budget>`, for any
+  registered partitioner and budget in [0, 1], named explicitly (`aotgrad:*` does not
+  expand to budgets);
+- `autocast:bf16` / `autocast:fp16`: `aotgrad.fwd_and_bwd(loss, argnums=0)` built and run
+  under `aotgrad.autocast(dtype=...)` (the default backend's table), to compare step time
+  and saved bytes with float32; the gradient error is against float32.
 
 `prepare(name, workload)` builds and warms a strategy and measures what does not need
 repeated timing (saved bytes, XLA temp memory, build seconds, gradient error inputs).
@@ -81,8 +87,9 @@ class Prepared:
 # ----------------------------------------------------------------------------- names
 
 def available() -> tuple[str, ...]:
-    """Every strategy this installation can run: the base ones plus one per partitioner."""
-    return BASE_STRATEGIES + tuple(AOTGRAD_PREFIX + p for p in PARTITIONERS)
+    """Every strategy this installation can run: the base ones, one per partitioner, and
+    the autocast ones."""
+    return BASE_STRATEGIES + tuple(AOTGRAD_PREFIX + p for p in PARTITIONERS) + tuple(AUTOCAST_STRATEGIES)
 
 
 def expand(patterns: list[str]) -> tuple[list[str], list[str]]:
@@ -95,6 +102,8 @@ def expand(patterns: list[str]) -> tuple[list[str], list[str]]:
     messages: list[str] = []
     for pat in patterns:
         hits = [n for n in have if fnmatch.fnmatchcase(n, pat)]
+        if not hits and _is_budget_name(pat):
+            hits = [pat]
         if not hits:
             if pat.startswith(AOTGRAD_PREFIX):
                 messages.append(f"skipping strategy {pat!r}: partitioner {pat[len(AOTGRAD_PREFIX):]!r} is not "
@@ -103,6 +112,17 @@ def expand(patterns: list[str]) -> tuple[list[str], list[str]]:
                 messages.append(f"skipping strategy {pat!r}: unknown (available: {list(have)})")
         names.extend(h for h in hits if h not in names)
     return names, messages
+
+
+def _is_budget_name(name: str) -> bool:
+    """`aotgrad:<registered partitioner>@<budget in [0, 1]>`."""
+    base, at, budget = name.partition("@")
+    if not (at and base.startswith(AOTGRAD_PREFIX) and base[len(AOTGRAD_PREFIX):] in PARTITIONERS):
+        return False
+    try:
+        return 0.0 <= float(budget) <= 1.0
+    except ValueError:
+        return False
 
 
 # ----------------------------------------------------------------------------- building
@@ -115,6 +135,8 @@ def prepare(name: str, workload: Workload, memory: bool = True) -> Prepared:
         return _jax_peer(workload, memory)
     if name.startswith(AOTGRAD_PREFIX):
         return _aotgrad(name, name[len(AOTGRAD_PREFIX):], workload, memory)
+    if name in AUTOCAST_STRATEGIES:
+        return _autocast(name, workload, memory)
     raise ValueError(f"unknown strategy {name!r}; available: {list(available())}")
 
 
@@ -195,12 +217,16 @@ def _jax_peer(w: Workload, memory: bool) -> Prepared:
 
 
 def _aotgrad(name: str, partitioner: str, w: Workload, memory: bool) -> Prepared:
+    partitioner, _, budget = partitioner.partition("@")
+    options = {"partitioner": partitioner}
+    if budget:
+        options["activation_memory_budget"] = float(budget)
     if partitioner not in PARTITIONERS:
         raise ValueError(f"partitioner {partitioner!r} is not registered "
                          f"(registered: {sorted(PARTITIONERS)})")
     # Options are read when a function is traced, and are part of its cache key: build,
     # warm and run every call inside the same patch.
-    context = lambda: aotgrad.config.patch(partitioner=partitioner)  # noqa: E731
+    context = lambda: aotgrad.config.patch(**options)  # noqa: E731
     notes: list[str] = []
     with context():
         fwd, bwd = aotgrad.fwd_and_bwd(w.loss_fn, argnums=0)
@@ -228,6 +254,44 @@ def _aotgrad(name: str, partitioner: str, w: Workload, memory: bool) -> Prepared
     t = compiled.timings
     build = BuildSeconds(t.trace, t.partition, t.lower, t.compile)
     return Prepared(name, step, context, grads, first, saved, temp, build, tuple(notes))
+
+
+# ----------------------------------------------------------------------------- autocast
+
+# name -> (dtype, expected normwise gradient error against float32: a few 16-bit ulps)
+AUTOCAST_STRATEGIES: dict[str, tuple[Any, float]] = {
+    "autocast:bf16": (jnp.bfloat16, 5e-2),
+    "autocast:fp16": (jnp.float16, 1e-2),
+}
+
+
+def _autocast(name: str, w: Workload, memory: bool) -> Prepared:
+    """The default partitioner under `aotgrad.autocast(dtype=...)`: the setting is read when
+    the function is traced and is part of its cache key, so every call runs inside it."""
+    dtype, tolerance = AUTOCAST_STRATEGIES[name]
+    context = lambda: aotgrad.autocast(dtype=dtype)  # noqa: E731
+    with context():
+        fwd, bwd = aotgrad.fwd_and_bwd(w.loss_fn, argnums=0)
+        ct = jnp.ones((), fwd(w.params, w.batch)[0].dtype)  # the loss may be 16-bit under autocast
+
+        def step() -> Any:
+            out, saved = fwd(w.params, w.batch)
+            return out, bwd(saved, ct)
+        (_, grads), first = _timed_first(step)
+        of_params = aotgrad.compile(lambda params: w.loss_fn(params, w.batch))
+        compiled = of_params.lower(w.params).compile()
+        report = aotgrad.explain(of_params, w.params)
+    saved = SavedBytes(activations=report.saved_bytes, inputs=report.saved_input_bytes,
+                       arrays=len(report.saved))
+    temp = TempBytes(_temp(compiled.forward), _temp(compiled.backward)) if memory else None
+    t = compiled.timings
+    reference = jax.jit(jax.grad(w.loss_fn))(w.params, w.batch)
+    error = max_relative_error(grads, reference)
+    notes = [f"casts: {report.casts}"]
+    if error > tolerance:
+        notes.append(f"gradient error {error:.1e} above the expected {tolerance:.0e} for {jnp.dtype(dtype).name}")
+    return Prepared(name, step, context, grads, first, saved, temp,
+                    BuildSeconds(t.trace, t.partition, t.lower, t.compile), tuple(notes))
 
 
 # ----------------------------------------------------------------------------- accuracy

@@ -1,0 +1,207 @@
+"""A grammar of small JAX programs for differential fuzzing (tests/test_fuzz.py).
+
+A `Program` is a list of `Step`s over rank-2 values: inputs first, then each step's result.
+Every step names an operation from `OPS`, the values it reads, and its static parameters;
+`Program.fn` turns it into an ordinary JAX function, and `repr(program)` is Python that
+rebuilds it, so a failing example becomes a regression test by copy and paste.
+
+Shapes are tracked while drawing, so every program traces. Unbounded operations are applied
+to bounded inputs (`tanh`, `x / (1 + x^2)`), so values stay finite for any input.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+from jax import lax
+
+Shape = tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    arity: int
+    shape: Callable[..., Shape | None]  # (operand shapes..., param) -> result shape, None: not applicable
+    apply: Callable[..., Any]  # (operands..., param) -> result
+    params: Callable[..., Any] = lambda *shapes: st.just(None)  # shapes -> strategy of the param
+
+
+def _same(*shapes: Shape) -> Shape:
+    return shapes[0]
+
+
+def _pointwise(f: Callable[[Any], Any]) -> Op:
+    return Op(1, lambda s, p: s, lambda x, p: f(x))
+
+
+def _binary(f: Callable[[Any, Any], Any]) -> Op:
+    # the second operand has the first's shape, or broadcasts to it: (1, c), (r, 1), (1, 1)
+    def shape(a: Shape, b: Shape, p: Any) -> Shape | None:
+        ok = all(db in (1, da) for da, db in zip(a, b))
+        return a if ok else None
+    return Op(2, shape, lambda x, y, p: f(x, y))
+
+
+def _reduce(f: Callable[..., Any]) -> Op:
+    return Op(1, lambda s, axis: (1, s[1]) if axis == 0 else (s[0], 1),
+              lambda x, axis: f(x, axis=axis, keepdims=True), lambda s: st.sampled_from([0, 1]))
+
+
+def _scan_rows(x: Any, p: Any) -> Any:
+    def step(carry: Any, row: Any) -> tuple[Any, Any]:
+        carry = jnp.tanh(carry * 0.9 + row)
+        return carry, carry * row
+    _, ys = lax.scan(step, x[0], x)
+    return ys
+
+
+def _fori(x: Any, p: Any) -> Any:
+    return lax.fori_loop(0, 3, lambda i, a: jnp.sin(a) * 0.9 + 0.1 * i, x)  # static bounds: a scan
+
+
+def _while_scale(x: Any, p: Any) -> Any:
+    """A while loop on a value without a gradient, scaling a differentiated one."""
+    def body(c: tuple[Any, Any]) -> tuple[Any, Any]:
+        return c[0] + 1, c[1] * 0.5 + 0.25
+    _, k = lax.while_loop(lambda c: c[0] < 3, body, (0, lax.stop_gradient(jnp.tanh(jnp.sum(x)))))
+    return x * (1.0 + k)
+
+
+def _cond(x: Any, p: Any) -> Any:
+    return lax.cond(jnp.sum(x) > 0, lambda a: jnp.sin(a) * 2.0, lambda a: jnp.tanh(a) - a * a, x)
+
+
+def _gather(x: Any, idx: tuple[int, ...]) -> Any:
+    return x[jnp.array(idx, jnp.int32)]
+
+
+def _scatter_add(x: Any, idx: tuple[int, ...]) -> Any:
+    rows = jnp.array(idx, jnp.int32)
+    return x.at[rows].add(jnp.sin(x[rows]))
+
+
+def _indices(s: Shape) -> Any:
+    return st.lists(st.integers(0, s[0] - 1), min_size=1, max_size=4).map(tuple)
+
+
+OPS: dict[str, Op] = {
+    # pointwise
+    "sin": _pointwise(jnp.sin),
+    "tanh": _pointwise(jnp.tanh),
+    "sigmoid": _pointwise(jax.nn.sigmoid),
+    "softsign": _pointwise(lambda x: x / (1.0 + jnp.abs(x))),
+    "square_bounded": _pointwise(lambda x: jnp.tanh(x) ** 2),
+    "exp_bounded": _pointwise(lambda x: jnp.exp(jnp.tanh(x))),
+    "log1p_square": _pointwise(lambda x: jnp.log1p(x * x)),
+    "sqrt_1p_square": _pointwise(lambda x: jnp.sqrt(1.0 + x * x)),
+    "gelu": _pointwise(jax.nn.gelu),
+    "relu": _pointwise(jax.nn.relu),
+    "silu": _pointwise(jax.nn.silu),
+    "softplus": _pointwise(jax.nn.softplus),
+    "erf": _pointwise(lax.erf),
+    "checkpointed": _pointwise(jax.checkpoint(lambda x: jnp.sin(jnp.cos(x)) * x)),
+    "add": _binary(jnp.add),
+    "sub": _binary(jnp.subtract),
+    "mul": _binary(jnp.multiply),
+    "div_safe": _binary(lambda x, y: x / (1.0 + y * y)),
+    "maximum": _binary(jnp.maximum),
+    "where_greater": _binary(lambda x, y: jnp.where(x > y, x, 0.5 * y)),
+    # reductions (keepdims: values stay rank 2)
+    "sum": _reduce(jnp.sum),
+    "mean": _reduce(jnp.mean),
+    "max": _reduce(jnp.max),
+    "logsumexp": _reduce(jax.nn.logsumexp),
+    "softmax": Op(1, lambda s, axis: s, lambda x, axis: jax.nn.softmax(x, axis=axis),
+                  lambda s: st.sampled_from([0, 1])),
+    "cumsum": Op(1, lambda s, axis: s, lambda x, axis: jnp.cumsum(x, axis=axis), lambda s: st.sampled_from([0, 1])),
+    "sort": Op(1, lambda s, axis: s, lambda x, axis: jnp.sort(x, axis=axis), lambda s: st.sampled_from([0, 1])),
+    # matmuls
+    "matmul_nt": Op(2, lambda a, b, p: (a[0], b[0]) if a[1] == b[1] else None, lambda x, y, p: x @ y.T),
+    "matmul_tn": Op(2, lambda a, b, p: (a[1], b[1]) if a[0] == b[0] else None, lambda x, y, p: x.T @ y),
+    "rowdot": Op(2, lambda a, b, p: (a[0], 1) if a == b else None,
+                 lambda x, y, p: jnp.einsum("ij,ij->i", x, y)[:, None]),
+    # shapes
+    "transpose": Op(1, lambda s, p: (s[1], s[0]), lambda x, p: x.T),
+    "reshape_swap": Op(1, lambda s, p: (s[1], s[0]), lambda x, p: x.reshape(x.shape[1], x.shape[0])),
+    "flip": Op(1, lambda s, axis: s, lambda x, axis: jnp.flip(x, axis), lambda s: st.sampled_from([0, 1])),
+    "concat_rows": Op(2, lambda a, b, p: (a[0] + b[0], a[1]) if a[1] == b[1] else None,
+                      lambda x, y, p: jnp.concatenate([x, y], axis=0)),
+    "drop_first_row": Op(1, lambda s, p: (s[0] - 1, s[1]) if s[0] > 1 else None, lambda x, p: x[1:]),
+    "pad": Op(1, lambda s, p: (s[0] + 1, s[1] + 2), lambda x, p: jnp.pad(x, ((1, 0), (1, 1)))),
+    # indexing
+    "gather_rows": Op(1, lambda s, idx: (len(idx), s[1]), _gather, _indices),
+    "scatter_add_rows": Op(1, lambda s, idx: s, _scatter_add, _indices),
+    "dynamic_slice": Op(1, lambda s, i: (1, s[1]), lambda x, i: lax.dynamic_slice(x, (i, 0), (1, x.shape[1])),
+                        lambda s: st.integers(0, s[0] - 1)),
+    # control flow
+    "cond": Op(1, lambda s, p: s, _cond),
+    "scan_rows": Op(1, lambda s, p: s, _scan_rows),
+    "fori_loop": Op(1, lambda s, p: s, _fori),
+    "while_scale": Op(1, lambda s, p: s, _while_scale),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    op: str
+    args: tuple[int, ...]  # indices of the values read (inputs first, then step results)
+    param: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    inputs: tuple[Shape, ...]
+    steps: tuple[Step, ...]
+    outputs: tuple[int, ...]  # indices of the values returned
+    dtype: str = "float32"
+
+    def fn(self) -> Callable[..., Any]:
+        def program(*inputs: Any) -> Any:
+            values = list(inputs)
+            for s in self.steps:
+                values.append(OPS[s.op].apply(*[values[i] for i in s.args], s.param))
+            outs = tuple(values[i] for i in self.outputs)
+            return outs[0] if len(outs) == 1 else outs
+        return program
+
+    def args(self, seed: int) -> list[Any]:
+        rng = np.random.default_rng(seed)
+        return [jnp.asarray(rng.standard_normal(s), self.dtype) for s in self.inputs]
+
+    def __repr__(self) -> str:
+        steps = ", ".join(f"Step({s.op!r}, {s.args}, {s.param!r})" for s in self.steps)
+        return (f"Program(inputs={self.inputs}, steps=({steps}{',' if len(self.steps) == 1 else ''}), "
+                f"outputs={self.outputs}, dtype={self.dtype!r})")
+
+
+@st.composite
+def programs(draw: Any, max_steps: int = 6, dtypes: tuple[str, ...] = ("float32",)) -> Program:
+    """Random well-shaped programs: 1-3 inputs of shape (1..4, 1..4), 1..max_steps steps."""
+    dims = st.integers(1, 4)
+    shapes: list[Shape] = [draw(st.tuples(dims, dims)) for _ in range(draw(st.integers(1, 3)))]
+    n_inputs = len(shapes)
+    steps = []
+    for _ in range(draw(st.integers(1, max_steps))):
+        name = draw(st.sampled_from(sorted(OPS)))
+        op = OPS[name]
+        first = draw(st.integers(0, len(shapes) - 1))
+        operands = [first]
+        if op.arity == 2:
+            fits = [i for i, s in enumerate(shapes) if op.shape(shapes[first], s, None) is not None]
+            operands.append(draw(st.sampled_from(fits)) if fits else first)
+            if op.shape(shapes[first], shapes[operands[1]], None) is None:
+                continue  # not even x with itself (e.g. a matmul of a non-square with itself)
+        param = draw(op.params(*[shapes[i] for i in operands]))
+        shape = op.shape(*[shapes[i] for i in operands], param)
+        if shape is None or min(shape) < 1 or max(shape) > 12:
+            continue
+        steps.append(Step(name, tuple(operands), param))
+        shapes.append(shape)
+    last = len(shapes) - 1
+    extra = draw(st.lists(st.integers(0, last), max_size=1))
+    dtype = draw(st.sampled_from(dtypes))
+    return Program(tuple(shapes[:n_inputs]), tuple(steps), (last, *extra), dtype)

@@ -1,0 +1,349 @@
+"""aotgrad on 8 simulated CPU devices; run by tests/test_sharding.py in its own process.
+
+Run alone with ``python -m pytest tests/sharded_cases.py`` (this module sets
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before JAX is imported).
+
+Every case compares against JAX itself on the same sharded inputs, under every registered
+partitioner (and memory budget):
+  - gradients keep the inputs' shardings; saved values stay sharded (never gathered);
+  - `with_sharding_constraint` inside the function is honoured by both programs;
+  - `shard_map` with `psum` / `all_gather` / `ppermute` differentiates correctly, and the
+    backward runs no collective that JAX's own backward does not;
+  - a data-parallel and a tensor-parallel MLP step equal `jax.value_and_grad`.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import sys
+
+if "jax" in sys.modules:
+    raise RuntimeError("tests/sharded_cases.py must run in its own process, before JAX is imported")
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.extend.core import ClosedJaxpr, Jaxpr  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import aotgrad  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from partition_configs import config_id, partitioner_configs  # noqa: E402
+
+CONFIGS = partitioner_configs(budgets=(0.0, 1.0))
+MODES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+COLLECTIVES = ("psum", "all_gather", "reduce_scatter", "psum_scatter", "ppermute", "all_to_all",
+               "pmax", "pmin")
+
+
+def test_eight_devices():
+    assert jax.device_count() == 8
+
+
+def _mesh(mode: str = "auto") -> jax.sharding.Mesh:
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(MODES[mode],) * 2)
+
+
+def _put(mesh, x, *spec):
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+
+def _normal(seed, *shape, scale=1.0):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale
+
+
+def assert_close(got, want, rtol=2e-5):
+    """Normwise relative error per leaf (reduction order differs between programs)."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert g.shape == w.shape
+        scale = max(np.max(np.abs(w)), 1e-30)
+        assert np.max(np.abs(g - w)) <= rtol * scale, (np.max(np.abs(g - w)), scale)
+
+
+def assert_same_shardings(grads, inputs):
+    for g, x in zip(jax.tree.leaves(grads), jax.tree.leaves(inputs)):
+        assert g.sharding.is_equivalent_to(x.sharding, x.ndim), (g.sharding, x.sharding)
+
+
+def _mlp(p, x, y):
+    h = jax.nn.gelu(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] - y) ** 2)
+
+
+def _mlp_params(seed=0, d_in=16, hidden=64, d_out=8):
+    return {"w1": _normal(seed, d_in, hidden, scale=0.3), "b1": _normal(seed + 1, hidden, scale=0.1),
+            "w2": _normal(seed + 2, hidden, d_out, scale=0.3)}
+
+
+# ----------------------------------------------------------------------------- inputs and gradients
+
+def _mixed(x, w, b, s):
+    """Batch-sharded x, column-sharded w and b, and s whose gradient does not depend on any
+    saved value (the backward alone cannot know its sharding)."""
+    return jnp.sum(jnp.tanh(x @ w + b) ** 2) + 3.0 * jnp.sum(s)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_gradients_keep_input_shardings(config, mode):
+    mesh = _mesh(mode)
+    args = (_put(mesh, _normal(0, 32, 16), "data", None), _put(mesh, _normal(1, 16, 64, scale=0.2), None, "model"),
+            _put(mesh, _normal(2, 64), "model"), _put(mesh, _normal(3, 32, 8), "data", "model"))
+    nums = (0, 1, 2, 3)
+    with jax.set_mesh(mesh), aotgrad.config.patch(**config):
+        want = jax.jit(jax.value_and_grad(_mixed, argnums=nums))(*args)
+        got = jax.value_and_grad(aotgrad.compile(_mixed), argnums=nums)(*args)
+        fwd, bwd = aotgrad.fwd_and_bwd(_mixed, argnums=nums)
+        out, saved = fwd(*args)
+        grads = bwd(saved, jnp.ones_like(out))
+    assert_close(got, want)
+    assert_close((out, grads), want)
+    assert_same_shardings(got[1], args)
+    assert_same_shardings(grads, args)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_saved_values_stay_sharded(config):
+    mesh = _mesh()
+    p = jax.tree.map(lambda a: _put(mesh, a), _mlp_params())
+    x, y = _put(mesh, _normal(5, 32, 16), "data", None), _put(mesh, _normal(6, 32, 8), "data", None)
+    with aotgrad.config.patch(**config):
+        fwd, bwd = aotgrad.fwd_and_bwd(_mlp, argnums=0)
+        out, saved = fwd(p, x, y)
+        grads = bwd(saved, jnp.ones_like(out))
+    assert_close(grads, jax.jit(jax.grad(_mlp))(p, x, y))
+    n_act = len(saved.pair.split.activations)
+    for a in saved.arrays[:n_act]:
+        assert len(a.sharding.device_set) == 8, a.sharding
+        if a.ndim and a.shape[0] == 32:  # batch-major activations keep the batch split over "data"
+            assert a.sharding.shard_shape(a.shape)[0] == 16, (a.shape, a.sharding)
+    leaves = jax.tree.leaves((p, x, y))  # no closed-over constants: input i is leaf i
+    for a, i in zip(saved.arrays[n_act:], saved.pair.split.saved_inputs):
+        assert a is leaves[i]  # saved inputs are the caller's own arrays, not copies
+
+
+def test_same_function_on_one_device_then_sharded():
+    f = aotgrad.compile(_mlp)
+    p, x, y = _mlp_params(), _normal(5, 32, 16), _normal(6, 32, 8)
+    want = jax.jit(jax.value_and_grad(_mlp))(p, x, y)
+    assert_close(jax.value_and_grad(f)(p, x, y), want)
+    mesh = _mesh()
+    xs, ys = _put(mesh, x, "data", None), _put(mesh, y, "data", None)
+    got = jax.value_and_grad(f)(p, xs, ys)
+    assert_close(got, want)
+    assert_close(jax.value_and_grad(f)(p, x, y), want)
+
+
+def test_explicit_sharding_change_on_the_same_function():
+    mesh = _mesh("explicit")
+    f = aotgrad.compile(_mixed)
+    with jax.set_mesh(mesh):
+        for spec in (("data", None), (None, "model"), (None, None)):
+            args = (_put(mesh, _normal(0, 32, 16), *spec), _put(mesh, _normal(1, 16, 64), None, "model"),
+                    _put(mesh, _normal(2, 64), "model"), _put(mesh, _normal(3, 32, 8), "data", "model"))
+            grads = jax.grad(f, argnums=(0, 1, 2, 3))(*args)
+            assert_close(grads, jax.jit(jax.grad(_mixed, argnums=(0, 1, 2, 3)))(*args))
+            assert_same_shardings(grads, args)
+
+
+@pytest.mark.xfail(strict=True, reason="aotgrad.signature.aval_key leaves out the sharding, which is "
+                   "part of the type under Explicit mesh axes: a call with a new sharding reuses the "
+                   "trace made for another, so Python code that reads the sharding runs once")
+def test_explicit_sharding_is_part_of_the_signature():
+    def f(x):
+        return jnp.sum(x) * (2.0 if jax.typeof(x).sharding.spec[0] == "data" else 3.0)
+    mesh = _mesh("explicit")
+    g = aotgrad.compile(f)
+    with jax.set_mesh(mesh):
+        for spec in (("data", None), (None, "model")):
+            x = _put(mesh, _normal(0, 32, 16), *spec)
+            assert_close(g(x), f(x))
+
+
+# ----------------------------------------------------------------------------- with_sharding_constraint
+
+def _constrained(w1, w2, x):
+    h = lax.with_sharding_constraint(jnp.tanh(x @ w1), P("data", "model"))
+    return jnp.sum(jnp.sin(h) @ w2)
+
+
+def _count(jaxpr, predicate) -> collections.Counter:
+    """Primitives of `jaxpr` matching `predicate`, counted inside nested jaxprs too."""
+    counts: collections.Counter = collections.Counter()
+    for eqn in jaxpr.eqns:
+        if predicate(eqn.primitive.name):
+            counts[eqn.primitive.name] += 1
+        for sub in _sub_jaxprs(eqn.params):
+            counts += _count(sub, predicate)
+    return counts
+
+
+def _sub_jaxprs(params):
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, Jaxpr):
+                yield v
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_with_sharding_constraint_in_both_programs(config):
+    mesh = _mesh()
+    w1, w2, x = _normal(0, 16, 64, scale=0.3), _normal(1, 64, 8), _put(mesh, _normal(2, 32, 16), "data", None)
+    with jax.set_mesh(mesh), aotgrad.config.patch(**config):
+        fwd, bwd = aotgrad.fwd_and_bwd(_constrained, argnums=(0, 1))
+        out, saved = fwd(w1, w2, x)
+        grads = bwd(saved, jnp.ones_like(out))
+        want = jax.jit(jax.value_and_grad(_constrained, argnums=(0, 1)))(w1, w2, x)
+    assert_close((out, grads), want)
+    split = saved.pair.split
+    is_wsc = lambda name: name == "sharding_constraint"  # noqa: E731
+    assert _count(split.forward.jaxpr, is_wsc)["sharding_constraint"] >= 1
+    assert _count(split.backward.jaxpr, is_wsc)["sharding_constraint"] >= 1  # on the cotangent
+    want_sharding = NamedSharding(mesh, P("data", "model"))
+    for a in saved.arrays[:len(split.activations)]:
+        if a.shape == (32, 64):  # h, or values computed from it pointwise
+            assert a.sharding.is_equivalent_to(want_sharding, 2), a.sharding
+
+
+# ----------------------------------------------------------------------------- shard_map
+
+def _collectives(w1, w2, x):
+    mesh = jax.sharding.get_abstract_mesh()
+
+    def body(w1, w2, x):
+        h = jnp.tanh(x @ w1)
+        y = lax.psum(h @ w2, "model")
+        g = lax.all_gather(jnp.sin(y), "data", tiled=True)
+        r = lax.ppermute(y, "data", perm=[(0, 1), (1, 0)])
+        return lax.psum(jnp.sum(g ** 2) / 2 + jnp.sum(r * y), "data")
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(None, "model"), P("model", None), P("data", None)),
+                         out_specs=P())(w1, w2, x)
+
+
+def _is_collective(name: str) -> bool:
+    return any(c in name for c in COLLECTIVES)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_shard_map_collectives(config):
+    mesh = _mesh()
+    w1 = _put(mesh, _normal(0, 16, 64, scale=0.3), None, "model")
+    w2 = _put(mesh, _normal(1, 64, 8, scale=0.3), "model", None)
+    x = _put(mesh, _normal(2, 32, 16), "data", None)
+    nums = (0, 1, 2)
+    with jax.set_mesh(mesh), aotgrad.config.patch(**config):
+        want = jax.jit(jax.value_and_grad(_collectives, argnums=nums))(w1, w2, x)
+        fwd, bwd = aotgrad.fwd_and_bwd(_collectives, argnums=nums)
+        out, saved = fwd(w1, w2, x)
+        grads = bwd(saved, jnp.ones_like(out))
+        got = jax.jit(jax.value_and_grad(aotgrad.compile(_collectives), argnums=nums))(w1, w2, x)
+        # JAX's own programs: the function (forward) and the VJP (backward).
+        fwd_ref = jax.make_jaxpr(_collectives)(w1, w2, x).jaxpr
+        _, vjp_fn = jax.vjp(_collectives, w1, w2, x)
+        bwd_ref = jax.make_jaxpr(vjp_fn)(jnp.ones_like(out)).jaxpr
+    assert_close((out, grads), want)
+    assert_close(got, want)
+    assert_same_shardings(grads, (w1, w2, x))
+    split = saved.pair.split
+    fwd_counts, bwd_counts = _count(split.forward.jaxpr, _is_collective), _count(split.backward.jaxpr, _is_collective)
+    assert fwd_counts == _count(fwd_ref, _is_collective)
+    ref = _count(bwd_ref, _is_collective)
+    extra = {name: n - ref[name] for name, n in bwd_counts.items() if n > ref[name]}
+    assert not extra, f"collectives recomputed in the backward: {extra} (JAX's backward runs {dict(ref)})"
+
+
+# ----------------------------------------------------------------------------- training steps
+
+def _sgd_step(loss):
+    def step(p, x, y):
+        value, grads = jax.value_and_grad(loss)(p, x, y)
+        return value, grads, jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
+    return jax.jit(step)
+
+
+def _check_steps(loss, p, x, y, config, mesh):
+    with jax.set_mesh(mesh), aotgrad.config.patch(**config):
+        want_step, got_step = _sgd_step(loss), _sgd_step(aotgrad.compile(loss))
+        vw, gw, pw = want_step(p, x, y)
+        vg, gg, pg = got_step(p, x, y)
+        assert_close((vg, gg, pg), (vw, gw, pw))
+        assert_same_shardings(gg, p)
+        eager = jax.value_and_grad(aotgrad.compile(loss))(p, x, y)  # forward and backward programs
+    assert_close(eager, (vw, gw))
+    assert_same_shardings(eager[1], p)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_data_parallel_mlp_step(config):
+    mesh = _mesh()
+    p = jax.tree.map(lambda a: _put(mesh, a), _mlp_params())  # replicated
+    x = _put(mesh, _normal(7, 64, 16), ("data", "model"), None)  # batch over all 8 devices
+    y = _put(mesh, _normal(8, 64, 8), ("data", "model"), None)
+    _check_steps(_mlp, p, x, y, config, mesh)
+
+
+def _tp_mlp(p, x, y):
+    """Megatron-style: w1 split by columns, w2 by rows, one psum per layer pair."""
+    mesh = jax.sharding.get_abstract_mesh()
+
+    def body(w1, b1, w2, x, y):
+        h = jax.nn.gelu(x @ w1 + b1)
+        out = lax.psum(h @ w2, "model")
+        return lax.pmean(jnp.mean((out - y) ** 2), "data")
+
+    return jax.shard_map(body, mesh=mesh,
+                         in_specs=(P(None, "model"), P("model"), P("model", None), P("data", None), P("data", None)),
+                         out_specs=P())(p["w1"], p["b1"], p["w2"], x, y)
+
+
+def _tp_params(mesh):
+    p = _mlp_params()
+    return {"w1": _put(mesh, p["w1"], None, "model"), "b1": _put(mesh, p["b1"], "model"),
+            "w2": _put(mesh, p["w2"], "model", None)}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_tensor_parallel_mlp_step(config):
+    mesh = _mesh()
+    x, y = _put(mesh, _normal(7, 32, 16), "data", None), _put(mesh, _normal(8, 32, 8), "data", None)
+    _check_steps(_tp_mlp, _tp_params(mesh), x, y, config, mesh)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_tensor_parallel_mlp_by_sharding_annotations(config):
+    """The same model left to XLA's partitioner: weights sharded, the hidden layer constrained."""
+    def loss(p, x, y):
+        h = lax.with_sharding_constraint(jax.nn.gelu(x @ p["w1"] + p["b1"]), P("data", "model"))
+        return jnp.mean((h @ p["w2"] - y) ** 2)
+    mesh = _mesh()
+    x, y = _put(mesh, _normal(7, 32, 16), "data", None), _put(mesh, _normal(8, 32, 8), "data", None)
+    _check_steps(loss, _tp_params(mesh), x, y, config, mesh)
+
+
+# ----------------------------------------------------------------------------- donate_saved
+
+def test_donate_saved_releases_sharded_values():
+    mesh = _mesh()
+    p = jax.tree.map(lambda a: _put(mesh, a), _mlp_params())
+    x, y = _put(mesh, _normal(5, 32, 16), "data", None), _put(mesh, _normal(6, 32, 8), "data", None)
+    with aotgrad.config.patch(donate_saved=True):
+        fwd, bwd = aotgrad.fwd_and_bwd(_mlp, argnums=0)
+        out, saved = fwd(p, x, y)
+    activations = saved.arrays[:len(saved.pair.split.activations)]
+    grads = bwd(saved, jnp.ones_like(out))
+    assert_close(grads, jax.jit(jax.grad(_mlp))(p, x, y))
+    assert_same_shardings(grads, p)
+    assert activations and all(a.is_deleted() for a in activations)
+    assert not any(a.is_deleted() for a in jax.tree.leaves((p, x, y)))
+    with pytest.raises(RuntimeError, match="saved values were released after the first backward"):
+        bwd(saved, jnp.ones_like(out))

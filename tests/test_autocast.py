@@ -1,0 +1,434 @@
+"""autocast as a context and a trace-time transform: states, tables, and the rewrite,
+checked against the dtypes JAX itself computes."""
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.extend.core.primitives as P
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import aotgrad
+from aotgrad.autocast import TABLES, current_setting
+from aotgrad.autocast.context import Setting, current_state
+from aotgrad.autocast.policy import FP32, LOWER
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+
+
+def eqns(closed):
+    """Every equation, also inside bodies."""
+    out = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            out.append(e)
+            for v in e.params.values():
+                for b in (v if isinstance(v, (tuple, list)) else (v,)):
+                    inner = getattr(b, "jaxpr", b)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+    walk(closed.jaxpr)
+    return out
+
+
+def casts_to(closed, dtype):
+    return [e for e in eqns(closed) if e.primitive is P.convert_element_type_p
+            and e.params["new_dtype"] == np.dtype(dtype)]
+
+
+def float_in_dtypes(closed, prim):
+    return [{np.dtype(v.aval.dtype) for v in e.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)}
+            for e in eqns(closed) if e.primitive is prim]
+
+
+# ----------------------------------------------------------------------------- context
+
+def test_context_nesting_inheritance_and_exact_restore():
+    assert current_setting() is None
+    with aotgrad.autocast("gpu", dtype=BF16):
+        assert current_setting() == Setting("gpu", "bfloat16")
+        with aotgrad.autocast("cuda"):  # dtype inherited from the enclosing gpu context
+            assert current_setting() == Setting("gpu", "bfloat16")
+            with aotgrad.autocast("gpu", enabled=False):
+                assert current_setting() is None
+                with aotgrad.autocast("cpu"):  # device default
+                    assert current_setting() == Setting("cpu", "bfloat16")
+            assert current_setting() == Setting("gpu", "bfloat16")
+        inner = aotgrad.autocast("tpu", F16)
+        before = current_state()
+        with pytest.raises(RuntimeError):
+            with inner:
+                raise RuntimeError("boom")
+        assert current_state() == before
+    assert current_setting() is None
+    with aotgrad.autocast("gpu"):
+        assert current_setting() == Setting("gpu", "float16")
+    with aotgrad.autocast():  # the default backend
+        assert current_setting().device_type == jax.default_backend()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(dtype=F32), "dtype must be jnp.float16 or jnp.bfloat16.*float32"),
+    (dict(dtype=jnp.float64), "dtype must be.*float64"),
+    (dict(dtype="int8"), "dtype must be"),
+    (dict(device_type="xpu"), "device_type must be one of.*'xpu'"),
+])
+def test_bad_arguments_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        aotgrad.autocast(**kwargs)
+
+
+def test_bad_enabled_and_register_arguments():
+    with pytest.raises(TypeError, match="enabled must be True or False"):
+        aotgrad.autocast("cpu", enabled="yes")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        aotgrad.register_autocast_policy("cpu", P.tanh_p, "fp16")
+    with pytest.raises(TypeError, match="primitive must be a JAX primitive"):
+        aotgrad.register_autocast_policy("cpu", "tanh", "fp32")
+    with pytest.raises(ValueError, match="device_type must be one of"):
+        aotgrad.register_autocast_policy("npu", P.tanh_p, "fp32")
+
+
+def test_threads_have_their_own_state():
+    results, barrier = {}, threading.Barrier(2)
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+
+    def run(device, dtype):
+        with aotgrad.autocast(device, dtype=dtype):
+            barrier.wait()  # both threads are inside their contexts at once
+            f = aotgrad.autocast(device, dtype=dtype)(lambda a, b: a @ b)
+            results[device] = (current_setting(), f(x, w).dtype)
+
+    threads = [threading.Thread(target=run, args=a) for a in (("gpu", F16), ("cpu", BF16))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["gpu"] == (Setting("gpu", "float16"), F16)
+    assert results["cpu"] == (Setting("cpu", "bfloat16"), BF16)
+    assert current_setting() is None
+
+
+# ----------------------------------------------------------------------------- tables
+
+def _spd(x):
+    return x @ x.T + 4 * jnp.eye(x.shape[0], dtype=x.dtype)
+
+
+# One small function per table entry, exercising that primitive on a (4, 4) input.
+CASES = {
+    P.dot_general_p: lambda x: x @ x.T,
+    P.conv_general_dilated_p: lambda x: lax.conv(x[None, None], x[None, None, :2, :2], (1, 1), "SAME"),
+    P.exp_p: jnp.exp, P.expm1_p: jnp.expm1, P.log_p: lambda x: jnp.log(x + 2),
+    P.log1p_p: jnp.log1p, P.pow_p: lambda x: lax.pow(x + 2, x), P.rsqrt_p: lambda x: lax.rsqrt(x + 2),
+    P.acos_p: lambda x: lax.acos(x * 0.1), P.asin_p: lambda x: lax.asin(x * 0.1), P.cosh_p: lax.cosh,
+    P.sinh_p: lax.sinh, P.tan_p: lax.tan, P.erf_inv_p: lambda x: lax.erf_inv(x * 0.1),
+    P.integer_pow_p: lambda x: lax.integer_pow(x + 2, -2),
+    P.reduce_sum_p: lambda x: lax.reduce(x, np.array(0, x.dtype), lax.add, (0,)),
+    P.reduce_prod_p: lambda x: lax.reduce(x, np.array(1, x.dtype), lax.mul, (0,)),
+    P.cumsum_p: lambda x: lax.cumsum(x, 0), P.cumprod_p: lambda x: lax.cumprod(x, 0),
+    P.cholesky_p: lambda x: lax.linalg.cholesky(_spd(x)),
+    P.qr_p: lambda x: jnp.linalg.qr(x)[1], P.eigh_p: lambda x: jnp.linalg.eigh(_spd(x))[0],
+    P.svd_p: lambda x: jnp.linalg.svd(x, compute_uv=False),
+    P.lu_p: lambda x: lax.linalg.lu(_spd(x))[0],
+    P.triangular_solve_p: lambda x: lax.linalg.triangular_solve(_spd(x), x, left_side=True, lower=True),
+}
+# Entries whose primitive rejects 16-bit inputs at trace time (fft) or needs complex inputs.
+NO_CASE = {P.eig_p, P.householder_product_p, P.fft_p, P.select_n_p, P.concatenate_p, P.scatter_p,
+           P.scatter_add_p, P.atan2_p}
+
+
+def _table_rows():
+    for device, table in TABLES.items():
+        for prim, rule in table.items():
+            policy = FP32 if prim is P.integer_pow_p else rule
+            if policy in (LOWER, FP32) and prim not in NO_CASE:
+                yield pytest.param(device, prim, policy, id=f"{device}-{prim.name}")
+
+
+@pytest.mark.parametrize("device, prim, policy", list(_table_rows()))
+def test_every_table_entry(device, prim, policy):
+    """lower_precision_fp: float32 inputs are cast to the autocast dtype; fp32: 16-bit
+    inputs are cast to float32. The primitive runs in that type, with the casts visible."""
+    fn = CASES[prim]
+    dtype = BF16 if device != "gpu" else F16
+    x = jnp.linspace(0.1, 0.9, 16, dtype=F32 if policy == LOWER else dtype).reshape(4, 4)
+    want = dtype if policy == LOWER else F32
+    closed = jax.make_jaxpr(aotgrad.autocast(device, dtype=dtype)(fn))(x)
+    seen = float_in_dtypes(closed, prim)
+    assert seen and all(s == {np.dtype(want)} for s in seen), (prim, seen)
+    assert casts_to(closed, want)
+
+
+def test_lower_precision_applies_to_the_other_16_bit_type():
+    x = jnp.ones((4, 4), BF16)
+    closed = jax.make_jaxpr(aotgrad.autocast("gpu", F16)(lambda a: a @ a))(x)
+    assert float_in_dtypes(closed, P.dot_general_p) == [{np.dtype(F16)}]
+    (dot,) = [e for e in eqns(closed) if e.primitive is P.dot_general_p]
+    assert dot.params["preferred_element_type"] == np.dtype(F16)
+
+
+def test_cpu_leaves_exp_in_the_input_dtype_and_accumulates_its_sum_in_fp32():
+    x = jnp.ones((4, 4), BF16)
+    f = aotgrad.autocast("cpu")(lambda a: lax.reduce(jnp.exp(a), np.array(0, a.dtype), lax.add, (0,)))
+    closed = jax.make_jaxpr(f)(x)
+    assert float_in_dtypes(closed, P.exp_p) == [{np.dtype(BF16)}]
+    assert float_in_dtypes(closed, P.reduce_sum_p) == [{np.dtype(F32)}]
+    assert closed.out_avals[0].dtype == BF16
+
+
+# ----------------------------------------------------------------------------- 16-bit accumulation
+
+def _window_sum(a):
+    return lax.reduce_window(a, np.array(0, a.dtype), lax.add, (2, 1), (2, 1), "VALID")
+
+
+ACCUMULATING_CASES = {
+    P.reduce_sum_p: lambda a: lax.reduce_sum(a, (0,)),
+    P.cumsum_p: lambda a: lax.cumsum(a, axis=0),
+    P.cumprod_p: lambda a: lax.cumprod(a, axis=0),
+    P.cumlogsumexp_p: lambda a: lax.cumlogsumexp(a, axis=0),
+    P.reduce_window_sum_p: _window_sum,
+}
+
+
+def _rewritten(fn, x, device="cpu", dtype=BF16):
+    """`fn`'s jaxpr under autocast, and the casts the rewrite inserted by policy."""
+    from aotgrad.autocast.rewrite import Rewriter
+    rw, setting = Rewriter(), Setting(device, np.dtype(dtype).name)
+    closed = jax.make_jaxpr(lambda a: rw.eval_closed(jax.make_jaxpr(fn)(x), [a], setting))(x)
+    return closed, dict(rw.counts)
+
+
+@pytest.mark.parametrize("prim", list(ACCUMULATING_CASES), ids=lambda p: p.name)
+def test_16_bit_summing_reductions_accumulate_in_fp32(prim):
+    """cpu table: no policy for these, so a bf16 input stays bf16; the reduction still
+    accumulates in float32 and returns bfloat16, with both casts in the jaxpr."""
+    x = jnp.linspace(0.1, 0.9, 16, dtype=BF16).reshape(4, 4)
+    closed, counts = _rewritten(ACCUMULATING_CASES[prim], x)
+    assert float_in_dtypes(closed, prim) == [{np.dtype(F32)}]
+    assert casts_to(closed, F32) and casts_to(closed, BF16)
+    assert closed.out_avals[0].dtype == BF16
+    assert counts == {"accumulate_fp32": 2}
+
+
+def test_accumulation_applies_to_values_autocast_made_16_bit():
+    """A matmul's bf16 output summed: float32 accumulator; float32 and max reductions untouched."""
+    def f(a):
+        h = a @ a
+        return jnp.sum(h, axis=0), jnp.max(h), jnp.sum(a)
+
+    x = jnp.ones((4, 4), F32)
+    closed, counts = _rewritten(f, x)
+    assert float_in_dtypes(closed, P.reduce_sum_p) == [{np.dtype(F32)}] * 2
+    assert float_in_dtypes(closed, P.reduce_max_p) == [{np.dtype(BF16)}]
+    assert [a.dtype for a in closed.out_avals] == [BF16, BF16, F32]
+    assert counts == {"lower_precision_fp": 2, "accumulate_fp32": 2}
+    _, gpu = _rewritten(lambda a: jnp.sum(a @ a), x, "gpu", F16)  # gpu table: reduce_sum is fp32
+    assert "accumulate_fp32" not in gpu
+
+
+def test_bf16_sum_over_many_elements_is_accurate():
+    """XLA accumulates a bf16 reduce_sum in bf16: 16384 uniforms sum to 256 without the rule."""
+    x = jax.random.uniform(jax.random.key(0), (16, 32, 32)).astype(BF16)
+    exact = float(np.asarray(x, np.float64).sum())
+    got = jax.jit(aotgrad.autocast("cpu")(lambda a: lax.reduce_sum(a, (0, 1, 2))))(x)
+    assert got.dtype == BF16 and abs(float(got) - exact) <= exact * 2.0 ** -8
+
+
+def test_register_a_policy():
+    x = jnp.ones((4,), F32)
+    f = aotgrad.autocast("cpu")(jnp.tanh)
+    assert f(x).dtype == F32
+    aotgrad.register_autocast_policy("cpu", P.tanh_p, "lower_precision_fp")
+    try:
+        assert aotgrad.autocast_policy_table("cpu")[P.tanh_p] == LOWER
+        assert f(x).dtype == BF16
+    finally:
+        aotgrad.register_autocast_policy("cpu", P.tanh_p, None)
+    assert P.tanh_p not in aotgrad.autocast_policy_table("cpu")
+
+
+# ----------------------------------------------------------------------------- promotion
+
+def _mixed(a, b):
+    return a + b
+
+
+@pytest.mark.parametrize("a, b, want", [
+    (BF16, F16, F32),  # the join: no error, unlike PyTorch
+    (BF16, F32, F32),
+    (F16, F16, F16),
+])
+def test_promote_is_the_join(a, b, want):
+    """After the matmuls are cast, an add of two 16-bit types of different kinds."""
+    x = jnp.ones((4, 4), F32)
+    wa, wb = jnp.ones((4, 4), a), jnp.ones((4, 4), b)
+
+    def f(x, wa, wb):  # each matmul in its input's dtype: inside enabled=False
+        with aotgrad.autocast("cpu", enabled=False):
+            return _mixed(x.astype(wa.dtype) @ wa, x.astype(wb.dtype) @ wb)
+
+    out = jax.eval_shape(aotgrad.autocast("cpu")(f), x, wa, wb)
+    assert out.dtype == want
+
+
+def test_explicit_promote_entries_join_inputs():
+    def f(x):
+        y = x @ x  # bf16 after the rewrite; x stays float32
+        return jnp.concatenate([y, x]), lax.select(x > 0, y, x), lax.atan2(y, y)
+
+    cat, sel, at = jax.eval_shape(aotgrad.autocast("cpu")(f), jnp.ones((3, 3)))
+    assert (cat.dtype, sel.dtype, at.dtype) == (F32, F32, BF16)
+
+
+def test_bf16_plus_fp16_promotes_to_fp32_inside_a_table_op():
+    # The two inputs of the matmul disagree only after the rewrite: both are cast.
+    f = aotgrad.autocast("gpu")(lambda a, b: jnp.concatenate([a, b]))
+    assert f(jnp.ones(2, BF16), jnp.ones(2, F16)).dtype == F32
+
+
+def test_weak_scalars_follow_the_other_operand():
+    x, w = jnp.ones((4, 4)), jnp.ones((4, 4))
+
+    def f(x, w):
+        y = x @ w  # bf16 under autocast
+        return y * 2.0 + 1, jnp.where(y > 0, y, 0.0), lax.max(y, jnp.zeros_like(y))
+
+    a, b, c = jax.eval_shape(aotgrad.autocast("cpu")(f), x, w)
+    assert a.dtype == BF16 and b.dtype == BF16
+    assert c.dtype == BF16  # zeros built from a literal are constants: they follow too
+    closed = jax.make_jaxpr(aotgrad.autocast("cpu")(f))(x, w)
+    assert len(casts_to(closed, F32)) == 0
+
+
+def test_float64_integers_and_bool_are_untouched():
+    with jax.enable_x64(True):
+        x64 = jnp.ones((3, 3), jnp.float64)
+        closed = jax.make_jaxpr(aotgrad.autocast("gpu")(lambda a: jnp.exp(a @ a)))(x64)
+        assert not [e for e in eqns(closed) if e.primitive is P.convert_element_type_p]
+        assert closed.out_avals[0].dtype == jnp.float64
+    i = jnp.arange(9, dtype=jnp.int32).reshape(3, 3)
+    closed = jax.make_jaxpr(aotgrad.autocast("gpu")(lambda a, m: (a @ a, m & m)))(i, i > 3)
+    assert not [e for e in eqns(closed) if e.primitive is P.convert_element_type_p]
+    assert [a.dtype for a in closed.out_avals] == [jnp.int32, jnp.bool_]
+
+
+def test_enabled_false_region_inside_a_transform():
+    x = jnp.ones((4, 4))
+
+    def f(x):
+        a = x @ x
+        with aotgrad.autocast("cpu", enabled=False):
+            b = x @ x
+            with aotgrad.autocast("cpu", dtype=F16):
+                c = x @ x
+        return a, b, c
+
+    a, b, c = aotgrad.autocast("cpu")(f)(x)
+    assert (a.dtype, b.dtype, c.dtype) == (BF16, F32, F16)
+
+
+# ----------------------------------------------------------------------------- values and transforms
+
+def _mlp(params, x):
+    for w, b in params[:-1]:
+        x = jax.nn.gelu(x @ w + b)
+    w, b = params[-1]
+    return jax.nn.log_softmax(x @ w + b).mean()
+
+
+def _params(key, sizes=(16, 32, 32, 8)):
+    keys = jax.random.split(key, len(sizes))
+    return [(jax.random.normal(k, (m, n)) / np.sqrt(m), jnp.zeros(n)) for k, m, n in zip(keys, sizes, sizes[1:])]
+
+
+def test_transform_matches_jax_on_the_same_casts_under_jit_grad_vmap():
+    params = _params(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    f = aotgrad.autocast("gpu", dtype=BF16)(_mlp)
+
+    def by_hand(params, x):  # the same policy written out: matmuls in bf16, rest as the gpu table
+        for w, b in params[:-1]:
+            h = jnp.matmul(x.astype(BF16), w.astype(BF16), preferred_element_type=BF16)
+            x = jax.nn.gelu(h.astype(F32) + b)
+        w, b = params[-1]
+        h = jnp.matmul(x.astype(BF16), w.astype(BF16), preferred_element_type=BF16).astype(F32) + b
+        return jax.nn.log_softmax(h).mean()
+
+    np.testing.assert_allclose(jax.jit(f)(params, x), jax.jit(by_hand)(params, x), rtol=1e-6)
+    g1, g2 = jax.grad(f)(params, x), jax.grad(by_hand)(params, x)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        assert a.dtype == F32
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    batched = jax.vmap(f, in_axes=(None, 0))(params, x[None].repeat(2, 0))
+    np.testing.assert_allclose(batched, f(params, x) * np.ones(2), rtol=1e-6)
+    np.testing.assert_allclose(f(params, x), _mlp(params, x), rtol=3e-2)
+
+
+def test_control_flow_keeps_declared_carry_and_branch_dtypes():
+    w = jnp.eye(4) * 0.5
+
+    def f(x, w):
+        def body(c, xs):
+            c = jnp.tanh(c @ w) + xs
+            return c, c
+        c, ys = lax.scan(body, x, jnp.ones((3, 4)))
+        c = lax.cond(c.sum() > 0, lambda a: a @ w, lambda a: a, c)
+        n, c = lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, s[1] @ w), (0, c))
+        c = jax.checkpoint(lambda a: jnp.sin(a @ w))(c)
+        return c, ys
+
+    x = jnp.ones((4,))
+    g = aotgrad.autocast("cpu")(f)
+    c, ys = g(x, w)
+    assert c.dtype == BF16 and ys.dtype == F32  # ys: the carry, declared float32
+    closed = jax.make_jaxpr(g)(x, w)
+    assert all(s == {np.dtype(BF16)} for s in float_in_dtypes(closed, P.dot_general_p))
+    for prim in (P.scan_p, P.while_p, P.cond_p):
+        (e,) = [e for e in closed.jaxpr.eqns if e.primitive is prim]
+    np.testing.assert_allclose(c.astype(F32), f(x, w)[0], rtol=5e-2, atol=5e-2)
+    grads = jax.grad(lambda w: g(x, w)[1].sum())(w)  # through scan/cond/checkpoint
+    assert grads.dtype == F32 and jnp.isfinite(grads).all()
+
+
+def test_custom_jvp_and_custom_vjp_are_rewritten_and_keep_their_rules():
+    @jax.custom_vjp
+    def sq(x, w):
+        return x @ w
+
+    def sq_fwd(x, w):
+        return x @ w, (x, w)
+
+    def sq_bwd(res, g):
+        x, w = res
+        assert x.dtype == F32  # the residuals keep their declared types
+        return g @ w.T, x.T @ g
+
+    sq.defvjp(sq_fwd, sq_bwd)
+    x, w = jnp.ones((4, 4)), jnp.ones((4, 4)) * 0.1
+
+    def f(x, w):
+        return jax.nn.relu(sq(x, w) @ w).sum()  # relu is a custom_jvp function
+
+    g = aotgrad.autocast("cpu")(f)
+    closed = jax.make_jaxpr(g)(x, w)
+    assert all(s == {np.dtype(BF16)} for s in float_in_dtypes(closed, P.dot_general_p))
+    np.testing.assert_allclose(g(x, w), f(x, w), rtol=2e-2)
+    gx = jax.grad(g)(x, w)
+    assert gx.dtype == F32
+    np.testing.assert_allclose(gx, jax.grad(f)(x, w), rtol=2e-2)
+    jaxpr = str(jax.make_jaxpr(jax.grad(g))(x, w))
+    assert "bf16" in jaxpr
+
+
+def test_pjit_bodies_are_rewritten():
+    inner = jax.jit(lambda a, b: jnp.exp(a @ b))
+    x = jnp.ones((4, 4), F16)
+    closed = jax.make_jaxpr(aotgrad.autocast("gpu")(lambda a: inner(a.astype(F32), a.astype(F32))))(x)
+    assert float_in_dtypes(closed, P.dot_general_p) == [{np.dtype(F16)}]
+    assert float_in_dtypes(closed, P.exp_p) == [{np.dtype(F32)}]

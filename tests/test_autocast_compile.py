@@ -1,0 +1,201 @@
+"""autocast in compiled functions: the cache key, the forward rewrite, and the three
+`backward_pass_autocast` modes, checked against JAX (values and gradients)."""
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.extend.core.primitives as P
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import aotgrad
+from tests.test_autocast import BF16, F16, F32, _mlp, _params, eqns, float_in_dtypes
+
+F16_SET, F32_SET, BF16_SET = {np.dtype(F16)}, {np.dtype(F32)}, {np.dtype(BF16)}
+
+
+def _loss(x, w, b):
+    return jnp.sum(jnp.exp(x @ w + b))
+
+
+def _inputs(dtype=F16):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return ((jax.random.normal(k1, (8, 16)) * 0.1).astype(dtype),
+            (jax.random.normal(k2, (16, 4)) * 0.1).astype(dtype), jnp.zeros(4, dtype))
+
+
+def _pair(fn, args, mode, device="gpu", dtype=F16):
+    cf = aotgrad.compile(fn)
+    with aotgrad.config.patch(backward_pass_autocast=mode), aotgrad.autocast(device, dtype=dtype):
+        call = cf._resolve(args, {})
+        pair = call.entry.pair(call.entry.perturbed_for(None), call.entry.default_has_ct())
+        grads = jax.grad(cf, argnums=tuple(range(len(args))))(*args)
+    return pair, grads
+
+
+def test_three_backward_modes_build_different_backward_programs():
+    args = _inputs(F16)
+    same, g_same = _pair(_loss, args, "same_as_forward")
+    off, g_off = _pair(_loss, args, "off")
+    bf16, g_bf16 = _pair(_loss, args, {"dtype": jnp.bfloat16})
+    # The forward program is identical in all three.
+    assert str(same.split.forward) == str(off.split.forward) == str(bf16.split.forward)
+    assert float_in_dtypes(same.split.forward, P.dot_general_p) == [F16_SET]
+    # same_as_forward (gpu table): the bias gradient is accumulated in float32; off: not.
+    assert F32_SET in float_in_dtypes(same.split.backward, P.reduce_sum_p)
+    assert all(s == F16_SET for s in float_in_dtypes(off.split.backward, P.reduce_sum_p))
+    # An explicit bfloat16 backward under a float16 forward: the backward matmuls in bfloat16.
+    assert all(s == BF16_SET for s in float_in_dtypes(bf16.split.backward, P.dot_general_p))
+    assert all(s == F16_SET for s in float_in_dtypes(same.split.backward, P.dot_general_p))
+    # Input cotangents come back in the inputs' dtypes, and close to each other.
+    for gs in (g_same, g_off, g_bf16):
+        assert [g.dtype for g in gs] == [F16] * 3
+    reference = jax.grad(_loss, argnums=(0, 1, 2))(*[a.astype(F32) for a in args])
+    for gs, tol in ((g_same, 1e-2), (g_off, 1e-2), (g_bf16, 3e-2)):
+        for g, r in zip(gs, reference):
+            np.testing.assert_allclose(g.astype(F32), r, rtol=tol, atol=tol * float(jnp.abs(r).max()))
+    assert same.casts.backward and not off.casts.backward and bf16.casts.forward == off.casts.forward
+
+
+def test_enabled_false_region_stays_out_of_autocast_in_its_backward():
+    def region(x, w, b):
+        z = x @ w
+        with aotgrad.autocast("gpu", enabled=False):
+            z = z + b  # its backward: the bias gradient's reduction
+        return jnp.sum(jnp.exp(z))
+
+    pair, grads = _pair(region, _inputs(F16), "same_as_forward")
+    assert all(s == F16_SET for s in float_in_dtypes(pair.split.backward, P.reduce_sum_p))
+    assert all(s == F16_SET for s in float_in_dtypes(pair.split.forward, P.dot_general_p))
+    assert [g.dtype for g in grads] == [F16] * 3
+
+
+def test_off_equals_jax_grad_of_the_transformed_function():
+    params = _params(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    cf = aotgrad.compile(_mlp)
+    with aotgrad.config.patch(backward_pass_autocast="off"), aotgrad.autocast("gpu", dtype=BF16):
+        loss, grads = jax.value_and_grad(cf)(params, x)
+    expected_loss, expected = jax.jit(jax.value_and_grad(aotgrad.autocast("gpu", dtype=BF16)(_mlp)))(params, x)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
+    # The same equations; XLA may fuse a bf16 rounding away differently in two programs
+    # than in one, so values agree to a bfloat16 ulp, not bit for bit.
+    for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+        assert g.dtype == e.dtype == F32
+        np.testing.assert_allclose(g, e, rtol=1e-2, atol=1e-2 * float(jnp.abs(e).max()))
+    pair = next(iter(cf._cache.values())).pairs
+    assert all(not p.casts.backward for p in pair.values())  # nothing rewritten in the backward
+
+
+def _block(p, x):
+    """A pre-LN transformer block: attention (4 heads) and a GELU MLP."""
+    def norm(h, g):
+        mu = h.mean(-1, keepdims=True)
+        return (h - mu) * jax.lax.rsqrt(((h - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * g
+
+    B, T, D = x.shape
+    h = norm(x, p["g1"])
+    q, k, v = (h @ p[n] for n in ("wq", "wk", "wv"))
+    split = lambda a: a.reshape(B, T, 4, D // 4).transpose(0, 2, 1, 3)  # noqa: E731
+    att = jax.nn.softmax(split(q) @ split(k).swapaxes(-1, -2) / np.sqrt(D // 4), axis=-1)
+    x = x + (att @ split(v)).transpose(0, 2, 1, 3).reshape(B, T, D) @ p["wo"]
+    x = x + jax.nn.gelu(norm(x, p["g2"]) @ p["w1"]) @ p["w2"]
+    return jnp.mean(x ** 2)
+
+
+def _block_params(D=32):
+    ks = jax.random.split(jax.random.key(2), 6)
+    p = {n: jax.random.normal(k, (D, D)) / np.sqrt(D) for n, k in zip(("wq", "wk", "wv", "wo"), ks)}
+    p.update(w1=jax.random.normal(ks[4], (D, 4 * D)) / np.sqrt(D),
+             w2=jax.random.normal(ks[5], (4 * D, D)) / np.sqrt(4 * D), g1=jnp.ones(D), g2=jnp.ones(D))
+    return p
+
+
+def _rel_err(grads, reference):
+    return max(float(jnp.max(jnp.abs(g.astype(F32) - r)) / jnp.max(jnp.abs(r)))
+               for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference)))
+
+
+_EXPLICIT = {"device_type": "gpu", "dtype": "float16"}
+
+
+@pytest.mark.parametrize("model, mode, device, dtype, tol", [
+    ("mlp", "same_as_forward", "gpu", F16, 2e-2), ("mlp", "off", "gpu", F16, 2e-2),
+    ("mlp", _EXPLICIT, "cpu", BF16, 6e-2), ("mlp", "same_as_forward", "cpu", BF16, 6e-2),
+    ("block", "same_as_forward", "gpu", F16, 2e-2), ("block", "off", "cpu", BF16, 6e-2),
+    ("block", _EXPLICIT, "gpu", BF16, 2e-2), ("block", "same_as_forward", "tpu", BF16, 6e-2),
+])
+def test_gradients_close_to_float32(model, mode, device, dtype, tol):
+    if model == "mlp":
+        fn, params, x = _mlp, _params(jax.random.key(0)), jax.random.normal(jax.random.key(1), (8, 16))
+    else:
+        fn, params, x = _block, _block_params(), jax.random.normal(jax.random.key(1), (2, 8, 32))
+    reference = jax.grad(fn)(params, x)
+    cf = aotgrad.compile(fn)
+    with aotgrad.config.patch(backward_pass_autocast=mode), aotgrad.autocast(device, dtype=dtype):
+        grads = jax.grad(cf)(params, x)
+    assert all(g.dtype == F32 for g in jax.tree.leaves(grads))
+    assert _rel_err(grads, reference) < tol
+
+
+def test_cache_key_separates_autocast_states(caplog):
+    cf = aotgrad.compile(_loss)
+    args = _inputs(F32)
+    plain = cf(*args)
+    with aotgrad.config.patch(log_recompiles=True), caplog.at_level(logging.WARNING, logger="aotgrad"):
+        with aotgrad.autocast("cpu"):
+            low = cf(*args)
+            cf(*args)
+    assert cf.cache_info().entries == 2 and cf.cache_info().hits == 1
+    assert "autocast changed: off -> autocast('cpu', dtype=bfloat16)" in caplog.text
+    assert plain.dtype == low.dtype == F32 and not np.array_equal(plain, low)
+    np.testing.assert_allclose(low, plain, rtol=3e-2)
+    with aotgrad.autocast("cpu", enabled=False):
+        cf(*args)  # disabled: the plain entry again
+    assert cf.cache_info().entries == 2
+
+
+def test_vjp_inside_the_block_backward_outside():
+    params = _params(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    cf = aotgrad.compile(_mlp)
+    with aotgrad.autocast("cpu", dtype=BF16):
+        loss, vjp_fn = jax.vjp(cf, params, x)
+    grads, _ = vjp_fn(jnp.ones_like(loss))
+    assert _rel_err(grads, jax.grad(_mlp)(params, x)) < 6e-2
+
+
+def test_explain_counts_casts_by_policy():
+    cf = aotgrad.compile(_mlp)
+    params, x = _params(jax.random.key(0)), jnp.ones((8, 16))
+    plain = aotgrad.explain(cf, params, x)
+    assert plain.casts.total == 0 and "autocast casts" not in str(plain)
+    with aotgrad.autocast("gpu", dtype=BF16):
+        report = aotgrad.explain(cf, params, x)
+    forward = dict(report.casts.forward)
+    assert forward["lower_precision_fp"] == 6  # 3 matmuls: the activation and the weight
+    assert "autocast casts: forward: lower_precision_fp x6" in str(report)
+    n_converts = sum(e.primitive is P.convert_element_type_p for e in eqns(report.forward_jaxpr))
+    assert n_converts >= 6
+    saved_dtypes = {s.dtype for s in report.saved if not s.is_input}
+    assert "bfloat16" in saved_dtypes  # 16-bit where the forward computed in 16 bits
+
+
+def test_autocast_decorator_on_a_compiled_function_and_inner_contexts():
+    cf = aotgrad.compile(_loss)
+    args = _inputs(F32)
+    low = aotgrad.autocast("cpu")(cf)
+    np.testing.assert_allclose(low(*args), jax.jit(aotgrad.autocast("cpu")(_loss))(*args), rtol=1e-6)
+
+    @aotgrad.compile
+    def inner(x, w, b):
+        with aotgrad.autocast("cpu"):  # a context inside a compiled function
+            z = x @ w
+        return z, jnp.sum(jnp.exp(z + b))
+
+    z, out = inner(*args)
+    assert z.dtype == BF16 and out.dtype == F32
+    g = jax.grad(lambda *a: inner(*a)[1], argnums=1)(*args)
+    assert g.dtype == F32

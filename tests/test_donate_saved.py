@@ -1,0 +1,91 @@
+"""`aotgrad.config.donate_saved`: the backward takes ownership of the saved activations."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import aotgrad
+
+RELEASED = "saved values were released after the first backward.*donate_saved=False"
+
+
+def _mlp(p, x):
+    h = jnp.tanh(x @ p["w1"])
+    return jnp.sum(jnp.sin(h @ p["w2"]) ** 2)
+
+
+def _args():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    return ({"w1": jax.random.normal(k1, (8, 16)) * 0.3, "w2": jax.random.normal(k2, (16, 16)) * 0.3},
+            jax.random.normal(k3, (16, 8)))
+
+
+def _close(a, b):
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6), a, b)
+
+
+def test_backward_releases_saved_activations_and_refuses_a_second_call():
+    p, x = _args()
+    with aotgrad.config.patch(donate_saved=True):
+        fwd, bwd = aotgrad.fwd_and_bwd(_mlp, argnums=0)
+        out, saved = fwd(p, x)
+    n_act = len(saved.pair.split.activations)
+    activations, inputs = saved.arrays[:n_act], saved.arrays[n_act:]
+    assert activations and inputs
+    grads = bwd(saved, jnp.ones_like(out))
+    _close(grads, jax.grad(_mlp)(p, x))
+    assert all(a.is_deleted() for a in activations)
+    assert not any(a.is_deleted() for a in inputs)  # the caller's arrays are never donated
+    assert not any(a.is_deleted() for a in jax.tree.leaves((p, x)))
+    with pytest.raises(RuntimeError, match=RELEASED):
+        bwd(saved, jnp.ones_like(out))
+
+
+def test_backward_program_aliases_saved_buffers():
+    """Activations of a gradient's shape and dtype are donated to XLA, which writes the
+    gradient into their memory (lower peak); the others are released after the call."""
+    p, x = _args()
+    compiled = {}
+    for donate in (False, True):
+        with aotgrad.config.patch(donate_saved=donate):
+            compiled[donate] = aotgrad.compile(_mlp).lower(p, x).compile()
+    assert compiled[False].backward.memory_analysis().alias_size_in_bytes == 0
+    assert compiled[True].backward.memory_analysis().alias_size_in_bytes > 0
+
+
+def test_vjp_function_called_twice():
+    p, x = _args()
+    f = aotgrad.compile(_mlp)
+    with aotgrad.config.patch(donate_saved=True):
+        out, vjp_fn = jax.vjp(f, p, x)
+    _close(vjp_fn(jnp.ones_like(out)), jax.vjp(_mlp, p, x)[1](jnp.ones_like(out)))
+    with pytest.raises(RuntimeError, match=RELEASED):
+        vjp_fn(jnp.ones_like(out))
+    out, vjp_fn = jax.vjp(f, p, x)  # the default keeps saved values: a second call is fine
+    _close(vjp_fn(jnp.ones_like(out)), vjp_fn(jnp.ones_like(out)))
+
+
+def test_option_is_keyed_and_jit_is_unaffected():
+    p, x = _args()
+    f = aotgrad.compile(_mlp)
+    step = jax.jit(jax.value_and_grad(f))
+    want = jax.value_and_grad(_mlp)(p, x)
+    with aotgrad.config.patch(donate_saved=True):
+        _close(jax.grad(f)(p, x), want[1])
+        _close(step(p, x), want)  # inside jit the programs are one XLA program: nothing to release
+        _close(step(p, x), want)
+    _close(jax.grad(f)(p, x), want[1])
+    assert f.cache_info().entries == 2  # one signature under each setting
+
+
+def test_nothing_to_release_when_only_inputs_are_saved():
+    f = lambda x, w: jnp.sum(x * w)  # noqa: E731  # the backward reads only the inputs
+    x, w = jnp.arange(4.0), jnp.ones(4)
+    with aotgrad.config.patch(donate_saved=True):
+        fwd, bwd = aotgrad.fwd_and_bwd(f, argnums=(0, 1))
+        out, saved = fwd(x, w)
+        first, second = bwd(saved, 1.0), bwd(saved, 1.0)
+    _close(first, second)
+    assert not x.is_deleted() and not w.is_deleted()

@@ -1,0 +1,27 @@
+"""User errors not covered elsewhere: each message names the cause."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+import aotgrad
+
+
+def test_fwd_and_bwd_argnums_naming_a_static_argument():
+    f = aotgrad.compile(lambda x, n: jnp.sum(x ** n), static_argnums=1)
+    fwd, _ = aotgrad.fwd_and_bwd(f, argnums=(0, 1))
+    with pytest.raises(ValueError, match="argnums includes 1, a static argument; only array arguments"):
+        fwd(jnp.ones(3), 2)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("activation_memory_budget", 1.5, r"activation_memory_budget must be a number in \[0, 1\]; got 1.5"),
+    ("activation_memory_budget", "half", r"activation_memory_budget must be a number in \[0, 1\]"),
+    ("donate_saved", 1, "donate_saved must be True or False; got 1"),
+    ("detect_anomaly", "yes", "detect_anomaly must be True or False; got 'yes'"),
+])
+def test_bad_option_values_name_the_option(name, value, message):
+    with pytest.raises(aotgrad.ConfigError, match=message):
+        aotgrad.config.patch(**{name: value})
+    with pytest.raises(aotgrad.ConfigError, match=message):
+        setattr(aotgrad.config, name, value)
