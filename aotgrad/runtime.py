@@ -98,7 +98,10 @@ class ProgramPair:
         results = self.forward(*inputs)
         saved = results[self.n_outs:]
         saved.extend(inputs[i] for i in self.split.saved_inputs)
-        return results[:self.n_outs], Saved(saved, self, self._grad_shardings(inputs, results))
+        probe = results[0] if results else None
+        if type(probe) is ArrayImpl and type(probe.sharding) is not SingleDeviceSharding:
+            return results[:self.n_outs], Saved(saved, self, self._grad_shardings(inputs))
+        return results[:self.n_outs], Saved(saved, self)  # one device, or traced: XLA chooses
 
     def run_backward(self, saved: "Saved", cts: Sequence[Any]) -> list[Any]:
         """`cts`: one cotangent per output that has one. Returns one cotangent per
@@ -130,13 +133,10 @@ class ProgramPair:
             self._programs[shardings] = program
         return program
 
-    def _grad_shardings(self, inputs: Sequence[Any], results: Sequence[Any]) -> tuple[Any, ...] | None:
-        """When the forward ran over several devices: the differentiated inputs' shardings,
-        which the backward gives their gradients (None: XLA chooses). None on one device or
-        under a trace."""
-        probe = results[0] if results else None
-        if type(probe) is not ArrayImpl or type(probe.sharding) is SingleDeviceSharding:
-            return None
+    def _grad_shardings(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
+        """For a forward that ran over several devices: the differentiated inputs' shardings,
+        which the backward gives their gradients (None for an input on one device, e.g.
+        uncommitted: XLA chooses)."""
         shardings = [getattr(inputs[i], "sharding", None) for i in self.grad_inputs]
         return tuple(None if type(s) is SingleDeviceSharding else s for s in shardings)
 

@@ -5,7 +5,7 @@ For each program (float32): the value and the VJP (random cotangent) of the comp
 equal JAX's, through one of `jax.vjp`, `aotgrad.fwd_and_bwd` or `jax.jit(jax.vjp)`. bfloat16
 programs compare values only (the forward-only program against `jax.jit(fn)`).
 
-CI runs a fixed-seed slice (`derandomize=True`, ~25 programs). For a longer, randomized run:
+CI runs a fixed-seed slice (`derandomize=True`, 30 programs). For a longer, randomized run:
     AOTGRAD_FUZZ_EXAMPLES=2000 python -m pytest tests/test_fuzz.py
 A failing example prints its program's `repr`; paste it into `REGRESSIONS` below.
 """
@@ -33,7 +33,7 @@ except ImportError:
     from partition_configs import config_id, partitioner_configs
 
 LONG_RUN = "AOTGRAD_FUZZ_EXAMPLES" in os.environ
-EXAMPLES = int(os.environ.get("AOTGRAD_FUZZ_EXAMPLES", 25))
+EXAMPLES = int(os.environ.get("AOTGRAD_FUZZ_EXAMPLES", 30))
 FUZZ_SETTINGS = settings(max_examples=EXAMPLES, derandomize=not LONG_RUN, deadline=None, database=None,
                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                          print_blob=True)

@@ -18,7 +18,7 @@ except ImportError:
 
 CONFIGS = partitioner_configs(budgets=(0.0, 1.0))
 N_THREADS = 8
-ROUNDS = 3
+ROUNDS = 2
 
 
 def mlp(p, x):

@@ -24,7 +24,8 @@ import jax.extend.core.primitives as P
 
 from aotgrad.autocast.context import DEVICE_ALIASES, DEVICE_TYPES
 
-__all__ = ["ACCUMULATE_FP32", "ACCUMULATING", "FP32", "LOWER", "POLICIES", "PROMOTE", "TABLES", "Rule", "policy_for", "register", "table"]
+__all__ = ["ACCUMULATE_FP32", "ACCUMULATING", "FP32", "LOWER", "POLICIES", "PROMOTE", "TABLES", "Rule",
+           "policy_for", "register", "table"]
 
 LOWER = "lower_precision_fp"
 FP32 = "fp32"

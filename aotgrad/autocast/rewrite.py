@@ -112,7 +112,8 @@ class Rewriter:
         return self.op(eqn, invals, setting)
 
     def op(self, eqn: JaxprEqn, invals: list[Any], setting: Setting | None) -> list[Any]:
-        """One primitive: the policy's casts, then promotion of disagreeing floating inputs."""
+        """One primitive: the policy's casts, then promotion of disagreeing floating inputs;
+        a summing reduction left with a 16-bit input accumulates in float32."""
         policy = policy_for(setting.device_type, eqn.primitive, eqn.params) if setting else None
         vals = list(invals)
         if policy in (LOWER, FP32):
