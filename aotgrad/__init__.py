@@ -25,6 +25,7 @@ from aotgrad.config import config as config
 from aotgrad.loss_scale import DynamicLossScale as DynamicLossScale
 from aotgrad.loss_scale import all_finite as all_finite
 from aotgrad.loss_scale import select_tree as select_tree
+from aotgrad.report import Memory as Memory
 from aotgrad.report import Report as Report
 from aotgrad.report import SavedValue as SavedValue
 from aotgrad.report import explain as explain

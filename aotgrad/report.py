@@ -13,7 +13,7 @@ from aotgrad.partition.costs import nbytes as _nbytes
 from aotgrad.runtime import ProgramPair, Timings
 from aotgrad.signature import leaf_paths
 
-__all__ = ["Report", "SavedValue", "explain"]
+__all__ = ["Memory", "Report", "SavedValue", "explain"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +26,32 @@ class SavedValue:
     primitive: str  # the primitive that produced it ("input" for inputs)
     source: str  # the user's source line (or the argument's path, for inputs)
     reason: str  # why the partitioner saved it
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Device memory of one forward + backward step, from XLA's `memory_analysis()` of
+    both compiled programs (bytes; None where the backend does not report it)."""
+    forward_temp: int | None
+    backward_temp: int | None
+    forward_peak: int | None  # arguments + outputs (saved values included) + scratch
+    backward_peak: int | None  # saved values + cotangents + gradients + scratch
+
+    @property
+    def peak(self) -> int | None:
+        known = [p for p in (self.forward_peak, self.backward_peak) if p is not None]
+        return max(known) if known else None
+
+    @classmethod
+    def of(cls, compiled: Any) -> "Memory":
+        def stats(program: Any) -> tuple[int | None, int | None]:
+            m = program.memory_analysis()
+            if m is None:
+                return None, None
+            return (int(m.temp_size_in_bytes),
+                    int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes))
+        (ft, fp), (bt, bp) = stats(compiled.forward), stats(compiled.backward)
+        return cls(ft, bt, fp, bp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +68,7 @@ class Report:
     recomputed: tuple[tuple[str, int], ...]  # (primitive, count) recomputed in the backward
     timings: Timings  # compile is ~0 when XLA's compilation cache already held the programs
     casts: CastCounts = CastCounts()  # casts autocast inserted, by policy, forward and backward
+    memory: Memory | None = None  # XLA's memory analysis of both programs
 
     def __str__(self) -> str:
         rows = [("#", "shape", "dtype", "bytes", "kind", "produced by", "source", "why")]
@@ -61,6 +88,10 @@ class Report:
         lines.append(f"recomputed in the backward: {recomputed}")
         if self.casts.total:
             lines.append(f"autocast casts: {self.casts}")
+        if self.memory is not None and self.memory.peak is not None:
+            m = self.memory
+            lines.append(f"XLA memory: forward peak {_mb(m.forward_peak or 0)} (scratch {_mb(m.forward_temp or 0)}), "
+                         f"backward peak {_mb(m.backward_peak or 0)} (scratch {_mb(m.backward_temp or 0)})")
         t = self.timings
         lines.append(f"seconds: trace {t.trace:.3f}, partition {t.partition:.3f}, "
                      f"lower {t.lower:.3f}, compile {t.compile:.3f}")
@@ -93,11 +124,11 @@ def explain(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
         positions = argnum_positions(f"aotgrad.explain({f.name})", nums, len(args))
     pair = call.entry.pair(call.entry.perturbed_for(positions), call.entry.default_has_ct())
-    timings = Lowered(f.name, pair, *pair.lower(call.inputs)).compile().timings
-    return _report(f, call, pair, timings)
+    compiled = Lowered(f.name, pair, *pair.lower(call.inputs)).compile()
+    return _report(f, call, pair, compiled.timings, Memory.of(compiled))
 
 
-def _report(f: AOTFunction, call: Any, pair: ProgramPair, timings: Timings) -> Report:
+def _report(f: AOTFunction, call: Any, pair: ProgramPair, timings: Timings, memory: "Memory") -> Report:
     sp = pair.split
     n_consts = len(call.entry.fwd.consts)
     paths = leaf_paths(f._spec, call.entry.in_tree)
@@ -115,4 +146,4 @@ def _report(f: AOTFunction, call: Any, pair: ProgramPair, timings: Timings) -> R
         forward_jaxpr=sp.forward, backward_jaxpr=sp.backward, saved=tuple(saved),
         saved_bytes=sum(s.nbytes for s in saved if not s.is_input),
         saved_input_bytes=sum(s.nbytes for s in saved if s.is_input),
-        recomputed=sp.recomputed, timings=timings, casts=pair.casts)
+        recomputed=sp.recomputed, timings=timings, casts=pair.casts, memory=memory)

@@ -38,9 +38,14 @@ class CallKey(NamedTuple):
 
 
 def aval_key(aval: Any) -> tuple:
-    """(shape, dtype, weak_type), plus the varying manual axes inside `shard_map`."""
-    vma = getattr(aval, "vma", None)
+    """(shape, dtype, weak_type), plus the sharding when it is part of the type (a mesh
+    with Explicit axes), plus the varying manual axes inside `shard_map`."""
     base = (aval.shape, aval.dtype, aval.weak_type)
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ()):
+        base += (sharding,)
+    vma = getattr(aval, "vma", None)
     return base + (vma,) if vma else base
 
 
@@ -51,7 +56,9 @@ def leaf_key(x: Any) -> tuple:
 
 def key_text(key: tuple) -> str:
     shape, dtype, weak = key[:3]
-    return f"{'~' if weak else ''}{np.dtype(dtype).name}{list(shape)}"
+    text = f"{'~' if weak else ''}{np.dtype(dtype).name}{list(shape)}"
+    specs = [extra.spec for extra in key[3:] if hasattr(extra, "spec")]
+    return text + "".join(f" sharded {spec}" for spec in specs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -153,10 +153,8 @@ def test_explicit_sharding_change_on_the_same_function():
             assert_same_shardings(grads, args)
 
 
-@pytest.mark.xfail(strict=True, reason="aotgrad.signature.aval_key leaves out the sharding, which is "
-                   "part of the type under Explicit mesh axes: a call with a new sharding reuses the "
-                   "trace made for another, so Python code that reads the sharding runs once")
 def test_explicit_sharding_is_part_of_the_signature():
+    # Under Explicit mesh axes the sharding is part of the type: a new sharding is a new trace.
     def f(x):
         return jnp.sum(x) * (2.0 if jax.typeof(x).sharding.spec[0] == "data" else 3.0)
     mesh = _mesh("explicit")

@@ -22,6 +22,11 @@ from aotgrad.partition.rules import Kind, sub_jaxprs
 __all__ = ["FLOPS_PER_BYTE", "flops", "nbytes", "recompute_cost", "save_cost"]
 
 CHEAP_PER_BYTE = 1 / 16  # a fused elementwise op: a little compute, no extra traffic
+# Transcendental functions cost tens of instructions per element: recomputing one costs
+# about as much time as moving its output once more on a CPU.
+TRANSCENDENTAL_PER_BYTE = 1.0
+TRANSCENDENTAL = frozenset("""exp exp2 expm1 log log1p tanh logistic erf erfc erf_inv sin cos tan
+    asin acos atan atan2 sinh cosh asinh acosh atanh pow lgamma digamma""".split())
 MOVE_PER_BYTE = 0.5  # a copy into a new layout, often fused into its consumer
 RANDOM_PER_BYTE = 4.0  # counter-based hashing: tens of integer ops per 32-bit word
 FLOPS_PER_BYTE = 16.0  # machine balance: FLOPs that cost as much time as moving one byte
@@ -52,7 +57,8 @@ def recompute_cost(eqn: Any, kind: Kind) -> float:
     """Byte-equivalent cost of running `eqn` again in the backward; inf if it must not be."""
     out = sum(nbytes(v.aval) for v in eqn.outvars)
     if kind is Kind.CHEAP:
-        return CHEAP_PER_BYTE * out
+        per_byte = TRANSCENDENTAL_PER_BYTE if eqn.primitive.name in TRANSCENDENTAL else CHEAP_PER_BYTE
+        return per_byte * out
     if kind is Kind.MOVE:
         return MOVE_PER_BYTE * out
     if kind is Kind.REDUCE:
