@@ -37,13 +37,15 @@ class CallKey(NamedTuple):
     autocast: Any = None  # the autocast setting in force (an `autocast.Setting`), None: off
 
 
+_EXPLICIT = jax.sharding.AxisType.Explicit
+
+
 def aval_key(aval: Any) -> tuple:
     """(shape, dtype, weak_type), plus the sharding when it is part of the type (a mesh
     with Explicit axes), plus the varying manual axes inside `shard_map`."""
     base = (aval.shape, aval.dtype, aval.weak_type)
     sharding = getattr(aval, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is not None and jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ()):
+    if sharding is not None and _EXPLICIT in getattr(sharding.mesh, "axis_types", ()):
         base += (sharding,)
     vma = getattr(aval, "vma", None)
     return base + (vma,) if vma else base
