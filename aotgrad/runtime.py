@@ -18,7 +18,6 @@ from jax.sharding import SingleDeviceSharding
 from jax.tree_util import tree_leaves, tree_unflatten
 
 from aotgrad import anomaly
-
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.config import Snapshot, config
 from aotgrad.partition import JointGraph, Split, partition

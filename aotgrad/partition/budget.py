@@ -27,10 +27,10 @@ PRICES = tuple(2.0 ** k for k in range(-4, 13))
 GREEDY_STEPS = 24  # at most this many greedy cuts (more values are forbidden per step on big graphs)
 
 
-def ladder(problem: Problem) -> list[Cut]:
+def ladder(problem: Problem, relaxed: np.ndarray) -> list[Cut]:
     """Candidate cuts: the full cut, the priced cuts, the greedy cuts, and last the cut
-    that saves only what can never be recomputed."""
-    relaxed = problem.recompute_costs(allow_costly=True)
+    that saves only what can never be recomputed. `relaxed`: recompute costs with
+    compute-bound equations allowed."""
     full = problem.full_cut()
     cuts = [full]
     cuts += [problem.solve(problem.save_costs + price * problem.nbytes, relaxed) for price in PRICES]
@@ -45,12 +45,12 @@ def _greedy(problem: Problem, start: Cut, relaxed: np.ndarray) -> list[Cut]:
     several layers cost the same, all flip at one price). These fill the gaps: from the
     full cut, repeatedly forbid saving the compute-bound values that free the most bytes
     per unit of recompute cost, and solve again."""
-    position = {v: k for k, v in enumerate(problem.values)}
+    position = problem.position
     save = problem.save_costs.copy()
     cuts, cut = [], start
     for _ in range(GREEDY_STEPS):
         costly = [position[v] for v in cut.saved if v in position
-                  and problem.kinds[problem.producer[position[v]]] is Kind.COSTLY]
+                  and problem.kind_of_value(position[v]) is Kind.COSTLY]
         if not costly:
             break
         ratio = {k: problem.nbytes[k] / max(relaxed[problem.producer[k]], 1.0) for k in costly}
@@ -64,17 +64,16 @@ def _greedy(problem: Problem, start: Cut, relaxed: np.ndarray) -> list[Cut]:
 def _runtime_cost(cut: Cut, relaxed: np.ndarray) -> float:
     """Traffic for saving plus the cost of every recomputed equation."""
     problem = cut.problem
-    position = {v: k for k, v in enumerate(problem.values)}
-    saved = [position[v] for v in cut.saved if v in position]
+    saved = [problem.position[v] for v in cut.saved if v in problem.position]
     return float(problem.save_costs[saved].sum() + relaxed[list(cut.recomputed)].sum())
 
 
 def within_budget(problem: Problem, budget: float) -> dict[Var, str]:
     """The cheapest ladder cut whose saved activation bytes fit the budget."""
-    cuts = ladder(problem)
+    relaxed = problem.recompute_costs(allow_costly=True)
+    cuts = ladder(problem, relaxed)
     b1, b0 = cuts[0].activation_bytes, cuts[-1].activation_bytes
     limit = b0 + budget * max(b1 - b0, 0)
-    relaxed = problem.recompute_costs(allow_costly=True)
     fitting = [c for c in cuts if c.activation_bytes <= limit] or [cuts[-1]]
     best = min(fitting, key=lambda c: (_runtime_cost(c, relaxed), -c.activation_bytes))
     return best.reasons(f"budget {budget:g}: fits in {limit:,.0f} bytes, cheapest to keep",

@@ -47,8 +47,12 @@ class Problem:
         dependent = graph.input_dependent
         eqns, kinds, values, producer = [], [], [], []
         position: dict[Var, int] = {}
+        needed = set()
         for i, eqn in enumerate(graph.eqns):
-            if graph.is_backward_eqn(eqn) or not any(v in dependent for v in _vars(eqn.outvars)):
+            if graph.is_backward_eqn(eqn):  # its forward inputs must be available there
+                needed.update(position[v] for v in _vars(eqn.invars) if v in position)
+                continue
+            if not any(v in dependent for v in _vars(eqn.outvars)):
                 continue
             eqns.append(i)
             kinds.append(kind_of(eqn))
@@ -56,6 +60,7 @@ class Problem:
                 position[v] = len(values)
                 values.append(v)
                 producer.append(len(eqns) - 1)
+        needed.update(position[v] for v in _vars(graph.grads) if v in position)
         reads_v, reads_e = [], []
         written = np.zeros(len(values), bool)
         for e, i in enumerate(eqns):
@@ -65,20 +70,24 @@ class Problem:
                     reads_e.append(e)
                     if kinds[e] in (Kind.COSTLY, Kind.UNSAFE):
                         written[position[v]] = True  # a matmul operand is materialized
-        for k, v in enumerate(values):
+        for k in range(len(values)):
             if kinds[producer[k]] not in (Kind.CHEAP, Kind.MOVE):
                 written[k] = True
-        needed = set()
-        for eqn in graph.eqns:
-            if graph.is_backward_eqn(eqn):
-                needed.update(position[v] for v in _vars(eqn.invars) if v in position)
-        needed.update(position[v] for v in _vars(graph.grads) if v in position)
         for v in _vars(graph.outputs):
             if v in position:
                 written[position[v]] = True
         return cls(graph, tuple(eqns), tuple(kinds), tuple(values), np.asarray(producer, np.int64),
                    (np.asarray(reads_v, np.int64), np.asarray(reads_e, np.int64)),
                    np.asarray(sorted(needed), np.int64), written)
+
+    @functools.cached_property
+    def position(self) -> dict[Var, int]:
+        """Each forward value's position in `values`."""
+        return {v: k for k, v in enumerate(self.values)}
+
+    def kind_of_value(self, k: int) -> Kind:
+        """The rule of the equation that produces value `k`."""
+        return self.kinds[self.producer[k]]
 
     @functools.cached_property
     def nbytes(self) -> np.ndarray:
@@ -147,15 +156,20 @@ class Cut:
     cut: frozenset[Var]  # as cut, before pruning
 
     @functools.cached_property
+    def _backward(self) -> list[int]:
+        """Joint-graph indices of the equations the backward runs, cut at saved values."""
+        graph = self.problem.graph
+        available = set(self.cut) | set(graph.inputs) | set(graph.cotangents) | set(graph.closed.jaxpr.constvars)
+        kept, _ = live_eqns(graph.eqns, graph.grads, available,
+                            keep=lambda e: bool(e.effects) and graph.is_backward_eqn(e))
+        return kept
+
+    @functools.cached_property
     def saved(self) -> tuple[Var, ...]:
         """Cut values and inputs the backward actually reads, after dead-code elimination."""
         graph = self.problem.graph
-        jaxpr = graph.closed.jaxpr
-        available = set(self.cut) | set(graph.inputs) | set(graph.cotangents) | set(jaxpr.constvars)
-        kept, _ = live_eqns(graph.eqns, graph.grads, available,
-                            keep=lambda e: bool(e.effects) and graph.is_backward_eqn(e))
         read = set(_vars(graph.grads))
-        for i in kept:
+        for i in self._backward:
             read.update(_vars(graph.eqns[i].invars))
         candidates = list(graph.inputs) + [v for v in self.problem.values if v in self.cut]
         return tuple(v for v in candidates if v in read)
@@ -168,11 +182,8 @@ class Cut:
     @functools.cached_property
     def recomputed(self) -> tuple[int, ...]:
         """Positions (in `problem.eqns`) of the forward equations the backward runs again."""
-        graph = self.problem.graph
-        available = set(self.saved) | set(graph.cotangents) | set(graph.closed.jaxpr.constvars)
-        kept, _ = live_eqns(graph.eqns, graph.grads, available)
         position = {i: e for e, i in enumerate(self.problem.eqns)}
-        return tuple(position[i] for i in kept if i in position)
+        return tuple(position[i] for i in self._backward if i in position)
 
     def reasons(self, why_cheaper: str = "cheaper to save than to recompute",
                 costly_banned: bool = True) -> dict[Var, str]:
@@ -182,14 +193,13 @@ class Cut:
         problem = self.problem
         graph = problem.graph
         inputs = set(graph.inputs)
-        kind_of_value = {v: problem.kinds[problem.producer[k]] for k, v in enumerate(problem.values)}
         out = {}
         for v in self.saved:
             if v in inputs:
                 out[v] = "input: saved as itself, free"
                 continue
             prim = graph.eqns[graph.producer[v]].primitive.name
-            kind = kind_of_value[v]
+            kind = problem.kind_of_value(problem.position[v])
             if kind is Kind.UNSAFE:
                 out[v] = f"banned: {prim} is never run twice"
             elif kind is Kind.COSTLY and costly_banned:
