@@ -3,6 +3,9 @@
 - source information on equations (to re-bind an equation under the user's source line,
   and to print that line in reports);
 - the traceback filter (so aotgrad's own frames never appear as "the user's line");
+- the concrete array type (a fast `type(x) is ArrayImpl` check on every call; taken from
+  its module, since making an array to ask its type would start the backend at import,
+  before a multi-host program can call `jax.distributed.initialize`);
 - name-stack scopes of equations (autocast markers) and wrapping functions as the
   params of `custom_jvp_call` / `custom_vjp_call` expect (to rewrite their rules).
 """
@@ -13,9 +16,10 @@ import os
 from typing import Any, Callable, Iterator, Sequence
 
 from jax._src import linear_util, source_info_util, traceback_util
+from jax._src.array import ArrayImpl
 from jax._src.core import Tracer
 
-__all__ = ["Tracer", "bind_eqn", "eqn_context", "name_scopes", "source_line", "wrap_like"]
+__all__ = ["ArrayImpl", "Tracer", "bind_eqn", "eqn_context", "name_scopes", "source_line", "wrap_like"]
 
 traceback_util.register_exclusion(os.path.dirname(__file__))
 

@@ -10,13 +10,12 @@ import jax
 import numpy as np
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from aotgrad._jax_internals import Tracer
+from aotgrad._jax_internals import ArrayImpl, Tracer
 
 __all__ = ["ArgSpec", "CallKey", "aval_key", "check_output_leaves", "describe_key_change", "key_text",
            "leaf_key", "leaf_paths"]
 
 _SCALARS = (bool, int, float, complex, np.generic)
-ArrayImpl = type(jax.numpy.zeros(()))
 
 
 def _is_array_like(x: Any) -> bool:

@@ -1,8 +1,9 @@
 """8 threads compiling and running the same and different functions under different
-`aotgrad.config.patch` states at once: results equal single-threaded ones, caches hold
-exactly the expected entries."""
+`aotgrad.config.patch` and `aotgrad.autocast` states at once: results equal single-threaded
+ones, caches hold exactly the expected entries."""
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import jax
@@ -35,25 +36,56 @@ def _params(width):
     return {"w1": jax.random.normal(k1, (6, width)) * 0.3, "w2": jax.random.normal(k2, (width, 3)) * 0.3}
 
 
+# What each thread runs: (function, config, autocast state, batch size). Threads 0 and 1,
+# 2 and 6, 3 and 4 need the same entry (built by two threads at once); otherwise entries
+# differ in function, partitioner, budget, autocast table and dtype, or backward mode.
+_OFF = None
+_BF16 = ("cpu", jnp.bfloat16)
+_FP16 = ("gpu", jnp.float16)
+JOBS = [
+    (mlp, CONFIGS[0], _OFF, 4),
+    (mlp, CONFIGS[0], _OFF, 4),
+    (mlp, CONFIGS[1], _BF16, 4),
+    (gated, CONFIGS[2], _FP16, 5),
+    (gated, CONFIGS[2], _FP16, 5),
+    (gated, {**CONFIGS[1], "backward_pass_autocast": "off"}, _FP16, 5),
+    (mlp, CONFIGS[1], _BF16, 4),
+    (gated, CONFIGS[0], _OFF, 4),
+]
+assert len(JOBS) == N_THREADS
+
+
 def _job(t):
-    """What thread `t` runs: a function, a configuration, a signature (batch size)."""
-    return (mlp, gated)[t % 2], CONFIGS[(t // 2) % len(CONFIGS)], (4, 5)[(t // 4) % 2]
+    return JOBS[t]
+
+
+def _autocast(state):
+    return contextlib.nullcontext() if state is None else aotgrad.autocast(state[0], dtype=state[1])
 
 
 def _config_of(options):
-    """The `partitioner_configs` entry an entry was built under."""
+    """The config (as in `JOBS`) an entry was built under."""
     config = {"partitioner": options["partitioner"]}
     if config["partitioner"] != "default":
         config["activation_memory_budget"] = options["activation_memory_budget"]
+    if options["backward_pass_autocast"] != "same_as_forward":
+        config["backward_pass_autocast"] = options["backward_pass_autocast"]
     return config
 
 
+def _label(config, state, batch):
+    """A hashable name of one cache entry."""
+    mode = config.get("backward_pass_autocast", "same_as_forward")
+    cast = None if state is None else (state[0], jnp.dtype(state[1]).name)
+    return config_id(config), mode, cast, batch
+
+
 def _work(compiled, t):
-    fn, config, batch = _job(t)
+    fn, config, state, batch = _job(t)
     f = compiled[fn.__name__]
     p, x = _params(8), jnp.linspace(-1.0, 1.0, batch * 6).reshape(batch, 6) + t % 3
     results = []
-    with aotgrad.config.patch(**config):
+    with aotgrad.config.patch(**config), _autocast(state):
         step = jax.jit(jax.value_and_grad(f))
         fwd, bwd = aotgrad.fwd_and_bwd(f, argnums=0)
         for _ in range(ROUNDS):
@@ -90,8 +122,10 @@ def test_threads_match_single_threaded_and_caches_are_exact():
                      results[t], expected[t])
 
     for name, f in shared.items():
-        want = {(config_id(c), batch) for fn, c, batch in map(_job, range(N_THREADS)) if fn.__name__ == name}
-        got = {(config_id(_config_of(e.options)), e.fwd.in_avals[-1].shape[0]) for e in f._cache.values()}
+        want = {_label(c, state, batch) for fn, c, state, batch in JOBS if fn.__name__ == name}
+        got = {_label(_config_of(e.options), None if key.autocast is None
+                      else (key.autocast.device_type, key.autocast.dtype), e.fwd.in_avals[-1].shape[0])
+               for key, e in f._cache.items()}
         assert got == want, name
         info = f.cache_info()
         assert info.entries == len(want) == len(single[name]._cache)
