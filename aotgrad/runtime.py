@@ -226,7 +226,7 @@ class Entry:
                                self.owner, _mask_text(old[n:]), _mask_text(perturbed[n:]))
             pair = ProgramPair.build(self.owner, self.fwd, perturbed, has_ct, self.options)
             if config.debug_dir:
-                pair.dump(config.debug_dir, f"{_file_safe(self.owner)}-{next(_dump_counter)}")
+                pair.dump(config.debug_dir, _dump_tag(self.owner))
             self.pairs[key] = pair
         return pair
 
@@ -280,6 +280,13 @@ def _aliasable(backward: Any, n: int) -> tuple[int, ...]:
 def _mask_text(mask: Sequence[bool]) -> str:
     """`[dd-]`: which inputs are differentiated (d) or not (-)."""
     return "[" + "".join("d" if m else "-" for m in mask) + "]"
+
+
+def _dump_tag(owner: str) -> str:
+    """A file name prefix for one compilation's dump; with several processes (multi-host),
+    each process writes its own files, even into a shared directory."""
+    tag = f"{_file_safe(owner)}-{next(_dump_counter)}"
+    return f"{tag}.process{jax.process_index()}" if jax.process_count() > 1 else tag
 
 
 def _file_safe(name: str) -> str:

@@ -112,6 +112,17 @@ def check_step(loss, mesh, batch_spec, tensor_parallel: bool, config: dict) -> N
             assert a.sharding.shard_shape(a.shape)[0] < BATCH, (what, a.shape, a.sharding)
 
 
+def check_debug_dir(mesh, process_id: int) -> None:
+    """Each process dumps its own files, even into a directory the processes share."""
+    directory = os.environ["AOTGRAD_TEST_DEBUG_DIR"]
+    p = _params(mesh, False)
+    x, y = _global(mesh, _data(7, BATCH, 16), "data", None), _global(mesh, _data(8, BATCH, 8), "data", None)
+    with jax.set_mesh(mesh), aotgrad.config.patch(debug_dir=directory):
+        jax.grad(aotgrad.compile(_mlp))(p, x, y)
+    mine = [f for f in os.listdir(directory) if f".process{process_id}." in f]
+    assert any(f.endswith(".backward.jaxpr") for f in mine), sorted(os.listdir(directory))
+
+
 def main(process_id: int, num_processes: int, port: int) -> None:
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=num_processes,
                                process_id=process_id, initialization_timeout=120)
@@ -124,6 +135,8 @@ def main(process_id: int, num_processes: int, port: int) -> None:
         check_step(_mlp, data_parallel, "data", False, config)
         check_step(_tp_mlp, tensor_parallel, "data", True, config)
         checks += 2
+    check_debug_dir(data_parallel, process_id)
+    checks += 1
     jax.distributed.shutdown()
     print(f"ok {process_id} {checks}", flush=True)
 

@@ -23,8 +23,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_jax():
+def test_two_processes_match_jax(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["AOTGRAD_TEST_DEBUG_DIR"] = str(tmp_path)  # one directory for both processes
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, str(HERE / "multihost_worker.py"), str(i), str(PROCESSES), str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=HERE.parent)
