@@ -9,7 +9,8 @@ registered partitioner, aotgrad must equal JAX:
     tensor-parallel one (`shard_map` with `psum` over a "model" axis inside each process, the
     batch split across processes): value, gradients and updated parameters;
   - gradients keep the parameters' shardings, and saved activations stay split over the
-    batch (never gathered onto one process).
+    batch (never gathered onto one process);
+  - anomaly mode raises in every process, and `debug_dir` files are written per process.
 Arrays here are not fully addressable, so each process compares the shards it holds.
 Prints "ok <process id> <checks>" on success; any failure raises (exit status 1).
 """
@@ -123,6 +124,27 @@ def check_debug_dir(mesh, process_id: int) -> None:
     assert any(f.endswith(".backward.jaxpr") for f in mine), sorted(os.listdir(directory))
 
 
+def _masked_log(p, x, y):
+    """The gradient at x == 0 is NaN (as in JAX): anomaly mode must say where it came from."""
+    return jnp.sum(jnp.where(x > 0, jnp.log(x), 0.0) @ p["w1"]) + jnp.sum(y)
+
+
+def check_anomaly_mode(mesh) -> None:
+    """Anomaly checks read a replicated vector of codes, which every process can read."""
+    p = _params(mesh, False)
+    x, y = _global(mesh, _data(7, BATCH, 16), "data", None), _global(mesh, _data(8, BATCH, 8), "data", None)
+    with jax.set_mesh(mesh), aotgrad.config.patch(detect_anomaly=True):
+        assert_close(jax.value_and_grad(aotgrad.compile(_mlp))(p, x, y),
+                     jax.jit(jax.value_and_grad(_mlp))(p, x, y), "anomaly mode, finite")
+        zeros = _global(mesh, np.zeros((BATCH, 16), np.float32), "data", None)
+        try:
+            jax.grad(aotgrad.compile(_masked_log), argnums=1)(p, zeros, y)
+        except FloatingPointError as e:
+            assert "derivative of the forward operation `log`" in str(e), str(e)
+        else:
+            raise AssertionError("anomaly mode did not raise on a NaN gradient")
+
+
 def main(process_id: int, num_processes: int, port: int) -> None:
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=num_processes,
                                process_id=process_id, initialization_timeout=120)
@@ -136,7 +158,8 @@ def main(process_id: int, num_processes: int, port: int) -> None:
         check_step(_tp_mlp, tensor_parallel, "data", True, config)
         checks += 2
     check_debug_dir(data_parallel, process_id)
-    checks += 1
+    check_anomaly_mode(data_parallel)
+    checks += 2
     jax.distributed.shutdown()
     print(f"ok {process_id} {checks}", flush=True)
 
