@@ -118,7 +118,7 @@ def autocast_backward(split: Split, graph: JointGraph, fwd: ForwardTrace,
 
     Only the backward program changes: the partitioner chose the saved set on the joint
     graph, so the forward program is the same in every mode, and forward values the
-    backward recomputes are re-bound unchanged, bit-identical to the forward's.
+    backward recomputes are re-bound unchanged: the forward's own equations.
     """
     if mode == "off":
         return split, CastCounts(fwd.casts)

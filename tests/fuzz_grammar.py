@@ -103,6 +103,8 @@ OPS: dict[str, Op] = {
     "silu": _pointwise(jax.nn.silu),
     "softplus": _pointwise(jax.nn.softplus),
     "erf": _pointwise(lax.erf),
+    "inv_square": _pointwise(lambda x: (1.0 + x * x) ** -2),  # integer_pow, negative exponent
+    "pow_bounded": _pointwise(lambda x: (1.0 + x * x) ** 0.75),  # pow
     "checkpointed": _pointwise(jax.checkpoint(lambda x: jnp.sin(jnp.cos(x)) * x)),
     "add": _binary(jnp.add),
     "sub": _binary(jnp.subtract),
@@ -115,6 +117,9 @@ OPS: dict[str, Op] = {
     "mean": _reduce(jnp.mean),
     "max": _reduce(jnp.max),
     "logsumexp": _reduce(jax.nn.logsumexp),
+    "prod_bounded": _reduce(lambda x, axis, keepdims: jnp.prod(1.0 + 0.1 * jnp.tanh(x), axis, keepdims=keepdims)),
+    "rms_norm": Op(1, lambda s, axis: s, lambda x, axis: x * lax.rsqrt(jnp.mean(x * x, axis, keepdims=True) + 0.1),
+                   lambda s: st.sampled_from([0, 1])),
     "softmax": Op(1, lambda s, axis: s, lambda x, axis: jax.nn.softmax(x, axis=axis),
                   lambda s: st.sampled_from([0, 1])),
     "cumsum": Op(1, lambda s, axis: s, lambda x, axis: jnp.cumsum(x, axis=axis), lambda s: st.sampled_from([0, 1])),
@@ -178,17 +183,25 @@ class Program:
                 f"outputs={self.outputs}, dtype={self.dtype!r})")
 
 
+MATMULS = ("matmul_nt", "matmul_tn", "rowdot")
+
+
 @st.composite
-def programs(draw: Any, max_steps: int = 6, dtypes: tuple[str, ...] = ("float32",)) -> Program:
-    """Random well-shaped programs: 1-3 inputs of shape (1..4, 1..4), 1..max_steps steps."""
+def programs(draw: Any, max_steps: int = 6, dtypes: tuple[str, ...] = ("float32",),
+             first_ops: tuple[str, ...] = (), chain: bool = False) -> Program:
+    """Random well-shaped programs: 1-3 inputs of shape (1..4, 1..4), 1..max_steps steps.
+    `first_ops`: the ops the first step is drawn from (default: all). `chain`: a step reads
+    the latest value first three times in four (else any value), so that what the first
+    step computes flows through the later ones."""
     dims = st.integers(1, 4)
     shapes: list[Shape] = [draw(st.tuples(dims, dims)) for _ in range(draw(st.integers(1, 3)))]
     n_inputs = len(shapes)
     steps = []
     for _ in range(draw(st.integers(1, max_steps))):
-        name = draw(st.sampled_from(sorted(OPS)))
+        name = draw(st.sampled_from(sorted(first_ops if first_ops and not steps else OPS)))
         op = OPS[name]
-        first = draw(st.integers(0, len(shapes) - 1))
+        latest = chain and draw(st.integers(0, 3)) > 0
+        first = len(shapes) - 1 if latest else draw(st.integers(0, len(shapes) - 1))
         operands = [first]
         if op.arity == 2:
             fits = [i for i, s in enumerate(shapes) if op.shape(shapes[first], s, None) is not None]

@@ -181,6 +181,50 @@ def test_recomputed_random_bits_reproduce_the_forward(budget: float) -> None:
         assert report.saved_bytes == 0
 
 
+# ----------------------------------------------------------------------------- equality masks
+
+def _max_of_maximum(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.max(jnp.maximum(x, w.T @ w), axis=0)  # both derivatives compare with `eq`
+
+
+_TIE_INPUTS = (jnp.array([[-1.0], [0.4], [-0.9]]), jnp.array([[-0.809068], [0.46504775]]))
+
+
+@pytest.mark.parametrize("mode", ["same_as_forward", "off"])
+@pytest.mark.parametrize("budget", [0.0, 0.5, 1.0])
+def test_equality_masks_of_16_bit_values_come_from_the_forward(budget: float, mode: str) -> None:
+    """XLA keeps the bfloat16 matmul output in float32 inside the forward's fusion, and saves
+    it rounded. A max mask recomputed from the rounded copy matched nowhere (gradient 0)."""
+    cast = aotgrad.autocast("cpu", dtype=jnp.bfloat16)
+    loss = lambda f: lambda x, w: jnp.sum(f(x, w))  # noqa: E731
+    want = jax.grad(loss(cast(_max_of_maximum)), argnums=1)(*_TIE_INPUTS)
+    assert float(jnp.abs(want).max()) > 0.5
+    with aotgrad.config.patch(partitioner="min_cut", activation_memory_budget=budget,
+                              backward_pass_autocast=mode), cast:
+        f = aotgrad.compile(_max_of_maximum)
+        got = jax.grad(loss(f), argnums=1)(*_TIE_INPUTS)
+        report = aotgrad.explain(f, *_TIE_INPUTS)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2)
+    masks = [s for s in report.saved if s.primitive == "eq"]
+    assert masks and all(s.dtype == "bool" and s.reason.startswith("banned: eq of values computed in 16 bits")
+                         for s in masks)
+
+
+def test_equality_masks_of_float32_values_are_recomputed() -> None:
+    """float32 values are recomputed bit for bit: a relu written as `maximum` saves no mask."""
+    def mlp(ws: list, x: jax.Array) -> jax.Array:
+        for w in ws:
+            x = jnp.maximum(x @ w, 0.0)
+        return jnp.sum(jnp.clip(x, -1.0, 1.0) ** 2)
+    ws, x = [_rand(i, 32, 32) * 0.3 for i in range(3)], _rand(9, 16, 32)
+    with aotgrad.config.patch(partitioner="min_cut", activation_memory_budget=1.0):
+        f = aotgrad.compile(mlp)
+        report = aotgrad.explain(f, ws, x)
+        got = jax.value_and_grad(f)(ws, x)
+    tc.assert_trees_close(got, jax.value_and_grad(mlp)(ws, x), rtol=1e-5, atol=1e-6)
+    assert [s.primitive for s in report.saved if not s.is_input] == ["dot_general"] * 3
+
+
 # ----------------------------------------------------------------------------- control flow, collectives
 
 def test_scan_and_cond_graphs_partition_at_every_budget() -> None:

@@ -374,7 +374,7 @@ def rewrite_backward(program: ClosedJaxpr, n_cotangents: int,
                      choose: Callable[[JaxprEqn], Setting | None]) -> tuple[ClosedJaxpr, tuple[tuple[str, int], ...]]:
     """Rewrites only the cotangent-dependent equations of a backward program (its last
     `n_cotangents` inputs are the cotangents), each under `choose(eqn)`. Forward values it
-    recomputes are re-bound unchanged, bit-identical to the forward's. Outputs (the input
+    recomputes are re-bound unchanged (the forward's own equations). Outputs (the input
     cotangents) keep their declared dtypes."""
     rw = Rewriter()
     jaxpr = program.jaxpr

@@ -22,7 +22,7 @@ from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from aotgrad.partition import costs
 from aotgrad.partition.graph import JointGraph, live_eqns
-from aotgrad.partition.rules import Kind, kind_of
+from aotgrad.partition.rules import FLOAT_EQUALITY, Kind, kind_of
 
 __all__ = ["Cut", "Problem", "min_cut"]
 
@@ -48,14 +48,18 @@ class Problem:
         eqns, kinds, values, producer = [], [], [], []
         position: dict[Var, int] = {}
         needed = set()
+        from_half: set[Var] = set()  # values computed from 16-bit floats
         for i, eqn in enumerate(graph.eqns):
             if graph.is_backward_eqn(eqn):  # its forward inputs must be available there
                 needed.update(position[v] for v in _vars(eqn.invars) if v in position)
                 continue
+            if _touches_half(eqn, from_half):
+                from_half.update(_vars(eqn.outvars))
             if not any(v in dependent for v in _vars(eqn.outvars)):
                 continue
             eqns.append(i)
-            kinds.append(kind_of(eqn))
+            unsafe_test = eqn.primitive.name in FLOAT_EQUALITY and any(v in from_half for v in _vars(eqn.invars))
+            kinds.append(Kind.UNSAFE if unsafe_test else kind_of(eqn))
             for v in _vars(eqn.outvars):
                 position[v] = len(values)
                 values.append(v)
@@ -145,6 +149,15 @@ def _to_int(c: np.ndarray) -> np.ndarray:
     return out
 
 
+_HALF = frozenset(np.dtype(d) for d in ("float16", "bfloat16"))
+
+
+def _touches_half(eqn: JaxprEqn, from_half: set[Var]) -> bool:
+    """Whether `eqn`'s outputs are computed from 16-bit floats (rounding points included)."""
+    return any(v in from_half or getattr(v.aval, "dtype", None) in _HALF for v in _vars(eqn.invars)) \
+        or any(getattr(v.aval, "dtype", None) in _HALF for v in _vars(eqn.outvars))
+
+
 def _vars(atoms: object) -> list[Var]:
     return [v for v in atoms if isinstance(v, Var)]
 
@@ -200,7 +213,10 @@ class Cut:
                 continue
             prim = graph.eqns[graph.producer[v]].primitive.name
             kind = problem.kind_of_value(problem.position[v])
-            if kind is Kind.UNSAFE:
+            if kind is Kind.UNSAFE and prim in FLOAT_EQUALITY:
+                out[v] = (f"banned: {prim} of values computed in 16 bits is never run twice "
+                          f"(a recomputed operand may round differently)")
+            elif kind is Kind.UNSAFE:
                 out[v] = f"banned: {prim} is never run twice"
             elif kind is Kind.COSTLY and costly_banned:
                 out[v] = f"banned: {prim} is compute-bound, not recomputed"

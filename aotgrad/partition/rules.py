@@ -16,6 +16,15 @@ recomputed unless a memory budget asks for it). Register your own with `register
   recompute them, cheapest FLOPs first.
 - UNSAFE: never recomputed at any budget: collectives (ranks that recompute
   differently deadlock), callbacks and custom calls, and every equation with effects.
+
+One more is decided by the graph, not by the primitive: an equality test (`FLOAT_EQUALITY`)
+of floating values computed from 16-bit ones is never recomputed. The derivatives of `max`,
+`min`, `maximum` and `clip` find where a result came from with `eq(operand, result)`, and
+XLA may keep a 16-bit intermediate in float32 inside a forward fusion (excess precision)
+while the saved copy is rounded. A recomputed operand then equals the saved result nowhere
+and the gradient would be zero, so the mask is computed once, in the forward (and saved, one
+byte per element). float32 values are recomputed bit for bit, and ordering tests (`gt`,
+`lt`) can only flip at a near-tie, where the function has a kink anyway.
 """
 from __future__ import annotations
 
@@ -24,7 +33,7 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-__all__ = ["Kind", "RULES", "kind_of", "register", "sub_jaxprs"]
+__all__ = ["FLOAT_EQUALITY", "Kind", "RULES", "kind_of", "register", "sub_jaxprs"]
 
 
 class Kind(enum.Enum):
@@ -72,6 +81,9 @@ _UNSAFE = """
     axis_index shard_map xla_pmap custom_call ffi_call pure_callback io_callback debug_callback
     device_put
 """
+
+# Comparisons never recomputed on values computed from 16-bit floats (see the docstring).
+FLOAT_EQUALITY = frozenset({"eq", "ne"})
 
 # Calls are as costly as the worst equation in their body (a relu's custom_jvp_call is cheap).
 CALLS = frozenset("custom_jvp_call custom_vjp_call checkpoint remat jit pjit closed_call call".split())
