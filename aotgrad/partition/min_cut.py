@@ -17,7 +17,7 @@ import functools
 
 import numpy as np
 import scipy.sparse
-from jax.extend.core import Var
+from jax.extend.core import JaxprEqn, Var
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from aotgrad.partition import costs
@@ -48,17 +48,17 @@ class Problem:
         eqns, kinds, values, producer = [], [], [], []
         position: dict[Var, int] = {}
         needed = set()
-        from_half: set[Var] = set()  # values computed from 16-bit floats
+        widened: set[Var] = set()  # values computed from 16-bit floats widened to 32 bits
         for i, eqn in enumerate(graph.eqns):
             if graph.is_backward_eqn(eqn):  # its forward inputs must be available there
                 needed.update(position[v] for v in _vars(eqn.invars) if v in position)
                 continue
-            if _touches_half(eqn, from_half):
-                from_half.update(_vars(eqn.outvars))
+            if _from_widened(eqn, widened):
+                widened.update(_vars(eqn.outvars))
             if not any(v in dependent for v in _vars(eqn.outvars)):
                 continue
             eqns.append(i)
-            unsafe_test = eqn.primitive.name in FLOAT_EQUALITY and any(v in from_half for v in _vars(eqn.invars))
+            unsafe_test = eqn.primitive.name in FLOAT_EQUALITY and any(v in widened for v in _vars(eqn.invars))
             kinds.append(Kind.UNSAFE if unsafe_test else kind_of(eqn))
             for v in _vars(eqn.outvars):
                 position[v] = len(values)
@@ -150,12 +150,19 @@ def _to_int(c: np.ndarray) -> np.ndarray:
 
 
 _HALF = frozenset(np.dtype(d) for d in ("float16", "bfloat16"))
+_WIDE = frozenset(np.dtype(d) for d in ("float32", "float64"))
 
 
-def _touches_half(eqn: JaxprEqn, from_half: set[Var]) -> bool:
-    """Whether `eqn`'s outputs are computed from 16-bit floats (rounding points included)."""
-    return any(v in from_half or getattr(v.aval, "dtype", None) in _HALF for v in _vars(eqn.invars)) \
-        or any(getattr(v.aval, "dtype", None) in _HALF for v in _vars(eqn.outvars))
+def _from_widened(eqn: JaxprEqn, widened: set[Var]) -> bool:
+    """Whether `eqn`'s outputs are computed from a 16-bit float widened to float32 or more
+    (a cast up, a matmul accumulating in float32). Such a value may differ from its
+    recomputation: XLA may skip the 16-bit rounding before the widening in the forward, but
+    a recomputation starts from the saved, rounded value."""
+    ins = _vars(eqn.invars)
+    if any(v in widened for v in ins):
+        return True
+    return any(getattr(v.aval, "dtype", None) in _HALF for v in ins) and \
+        any(getattr(v.aval, "dtype", None) in _WIDE for v in _vars(eqn.outvars))
 
 
 def _vars(atoms: object) -> list[Var]:
@@ -214,7 +221,7 @@ class Cut:
             prim = graph.eqns[graph.producer[v]].primitive.name
             kind = problem.kind_of_value(problem.position[v])
             if kind is Kind.UNSAFE and prim in FLOAT_EQUALITY:
-                out[v] = (f"banned: {prim} of values computed in 16 bits is never run twice "
+                out[v] = (f"banned: {prim} of values widened from 16 bits is never run twice "
                           f"(a recomputed operand may round differently)")
             elif kind is Kind.UNSAFE:
                 out[v] = f"banned: {prim} is never run twice"

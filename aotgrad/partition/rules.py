@@ -17,14 +17,16 @@ recomputed unless a memory budget asks for it). Register your own with `register
 - UNSAFE: never recomputed at any budget: collectives (ranks that recompute
   differently deadlock), callbacks and custom calls, and every equation with effects.
 
-One more is decided by the graph, not by the primitive: an equality test (`FLOAT_EQUALITY`)
-of floating values computed from 16-bit ones is never recomputed. The derivatives of `max`,
-`min`, `maximum` and `clip` find where a result came from with `eq(operand, result)`, and
-XLA may keep a 16-bit intermediate in float32 inside a forward fusion (excess precision)
-while the saved copy is rounded. A recomputed operand then equals the saved result nowhere
-and the gradient would be zero, so the mask is computed once, in the forward (and saved, one
-byte per element). float32 values are recomputed bit for bit, and ordering tests (`gt`,
-`lt`) can only flip at a near-tie, where the function has a kink anyway.
+One more is decided by the graph, not by the primitive (`min_cut.Problem`): an equality
+test (`FLOAT_EQUALITY`) of values computed from a 16-bit float widened to float32 is never
+recomputed. The derivatives of `max`, `min`, `maximum` and `clip` find where a result came
+from with `eq(operand, result)`. Inside a forward fusion XLA may skip the 16-bit rounding
+before a widening cast (excess precision), while the saved copy of the 16-bit value is
+rounded; an operand recomputed from that copy then equals the forward's saved result
+nowhere, and the gradient would be zero. So such a mask is computed once, in the forward
+(and saved, one byte per element). Values computed in one type are recomputed bit for bit,
+and ordering tests (`gt`, `lt`) can only flip at a near-tie, where the function has a
+kink anyway.
 """
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ _UNSAFE = """
     device_put
 """
 
-# Comparisons never recomputed on values computed from 16-bit floats (see the docstring).
+# Comparisons never recomputed on values widened from 16-bit floats (see the docstring).
 FLOAT_EQUALITY = frozenset({"eq", "ne"})
 
 # Calls are as costly as the worst equation in their body (a relu's custom_jvp_call is cheap).
