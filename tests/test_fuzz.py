@@ -31,9 +31,6 @@ import contextlib
 import dataclasses
 import itertools
 import os
-import pathlib
-import subprocess
-import sys
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax
@@ -51,12 +48,13 @@ from aotgrad.autocast.policy import ACCUMULATING, FP32, LOWER, policy_for
 
 try:
     from tests.fuzz_grammar import MATMULS, Program, Step, programs
+    from tests.own_process import run_module
     from tests.partition_configs import config_id, partitioner_configs
 except ImportError:
     from fuzz_grammar import MATMULS, Program, Step, programs
+    from own_process import run_module
     from partition_configs import config_id, partitioner_configs
 
-HERE = pathlib.Path(__file__).resolve().parent
 LONG_RUN = "AOTGRAD_FUZZ_EXAMPLES" in os.environ
 EXAMPLES = int(os.environ.get("AOTGRAD_FUZZ_EXAMPLES", 30))
 FUZZ_SETTINGS = settings(max_examples=EXAMPLES, derandomize=not LONG_RUN, deadline=None, database=None,
@@ -392,13 +390,8 @@ def test_float64_programs_in_their_own_process():
     """`tests/fuzz_x64_cases.py`, with `JAX_ENABLE_X64=1` (it skips without it). A failure
     shows that run's report."""
     env = {**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(HERE / "fuzz_x64_cases.py"), "-p", "no:cacheprovider",
-         "-rfE", "--tb=short", "-W", "ignore::DeprecationWarning"],
-        capture_output=True, text=True, env=env, cwd=HERE.parent, timeout=None if LONG_RUN else 900)
-    report = proc.stdout[-12000:] + ("\n" + proc.stderr[-4000:] if proc.stderr.strip() else "")
-    assert proc.returncode == 0, f"float64 cases failed (exit {proc.returncode}):\n{report}"
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, report
+    report = run_module("fuzz_x64_cases.py", env, "float64 cases", timeout=None if LONG_RUN else 900)
+    assert "skipped" not in report, report
 
 
 # ----------------------------------------------------------------------------- regressions
