@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from benchmarks.measure import Stats
-from benchmarks.strategies import BuildSeconds, SavedBytes, TempBytes
+from benchmarks.strategies import BuildSeconds, ProgramMemory, SavedBytes
 
 __all__ = ["Row", "machine_info", "versions"]
 
@@ -25,7 +25,7 @@ class Row:
     ratio_vs_jax: float | None = None  # median step time / jax_fwd_and_bwd's
     ratio_vs_fused: float | None = None  # median step time / fused's
     saved: SavedBytes | None = None  # None for `fused`: one program saves nothing between calls
-    temp: TempBytes | None = None
+    memory: ProgramMemory | None = None  # XLA scratch and peak of each program
     build: BuildSeconds | None = None  # aotgrad only
     first_step_s: float | None = None  # first call: trace + compile + one step
     grad_error: float | None = None  # vs float32 jax.grad, see strategies.max_relative_error

@@ -7,6 +7,7 @@ import os
 from typing import Any, Sequence
 
 from benchmarks.records import Row
+from benchmarks.strategies import ProgramMemory
 
 __all__ = ["format_table", "plot", "write_json"]
 
@@ -21,7 +22,13 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def _cells(r: Row) -> list[str]:
+def _peak_pair(m: ProgramMemory | None) -> str:
+    if m is None or m.backward_peak is None:
+        return "-"
+    return f"{_mb(m.forward_peak)}/{_mb(m.backward_peak)}"
+
+
+def _cells(r: Row, fused_peak: int | None) -> list[str]:
     if not r.ok:
         return [r.workload, r.strategy, "FAILED: " + (r.error or "")]
     st = r.step
@@ -29,22 +36,30 @@ def _cells(r: Row) -> list[str]:
     build = "-"
     if r.build is not None:
         build = f"{r.build.trace:.2f}/{r.build.partition:.2f}/{r.build.compile:.2f}"
+    peak = r.memory.peak if r.memory else None
     return [r.workload, r.strategy, f"{st.median * 1e3:.2f}", f"{st.iqr * 1e3:.2f}",
             _ratio(r.ratio_vs_jax), _ratio(r.ratio_vs_fused),
             _mb(r.saved.activations if r.saved else None), _mb(r.saved.inputs if r.saved else None),
-            _mb(r.temp.peak if r.temp else None),
+            _mb(peak), _peak_pair(r.memory), _ratio(peak / fused_peak if peak and fused_peak else None),
             "-" if r.first_step_s is None else f"{r.first_step_s:.2f}", build,
             "-" if r.grad_error is None else f"{r.grad_error:.1e}"]
 
 
 HEADER = ["workload", "strategy", "step ms", "IQR ms", "vs jax", "vs fused", "saved MB", "in MB",
-          "temp MB", "1st s", "tr/part/comp s", "grad err"]
-RIGHT = {2, 3, 4, 5, 6, 7, 8, 9, 11}
+          "peak MB", "fwd/bwd peak MB", "peak vs fused", "1st s", "tr/part/comp s", "grad err"]
+RIGHT = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13}
+
+
+def _fused_peaks(rows: Sequence[Row]) -> dict[str, int]:
+    """Each workload's fused-program peak: what the other peaks are compared with."""
+    return {r.workload: r.memory.peak for r in rows
+            if r.ok and r.strategy == "fused" and r.memory is not None and r.memory.peak}
 
 
 def format_table(rows: Sequence[Row]) -> str:
     """A fixed-width table; failed rows span the numeric columns with their message."""
-    body = [_cells(r) for r in rows]
+    fused = _fused_peaks(rows)
+    body = [_cells(r, fused.get(r.workload)) for r in rows]
     full = [HEADER] + [c for c in body if len(c) == len(HEADER)]
     widths = [max(len(c[i]) for c in full) for i in range(len(HEADER))]
 
@@ -92,42 +107,37 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
 
 
 def plot(path: str, rows: Sequence[Row]) -> str:
-    """Saved activation bytes vs step time, one panel per workload, one marker per
-    strategy. Returns a one-line message (written file, or how to get matplotlib)."""
+    """Step peak memory (XLA) vs step time, one panel per workload, one marker per
+    strategy: the memory/time trade-off each strategy offers (lower left is better).
+    Returns a one-line message (written file, or how to get matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return PLOT_HINT
-    points = [r for r in rows if r.ok and r.saved is not None and r.step is not None]
+    points = [r for r in rows if r.ok and r.memory is not None and r.memory.peak and r.step is not None]
     workloads = list(dict.fromkeys(r.workload for r in points))
     if not workloads:
-        return "nothing to plot: no row has both saved bytes and a step time"
+        return "nothing to plot: no row has both a peak memory and a step time"
     strategies = list(dict.fromkeys(r.strategy for r in points))
     markers = "osD^vP*X<>"
     cols = min(3, len(workloads))
     nrows = -(-len(workloads) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
     for ax, wl in zip(axes.flat, workloads):
-        times = [r.step.median * 1e3 for r in rows if r.ok and r.workload == wl and r.step is not None]
-        for r in rows:  # strategies without a saved set (fused: one program) as reference lines
-            if r.workload == wl and r.ok and r.saved is None and r.step is not None:
-                ax.axhline(r.step.median * 1e3, ls="--", lw=1, color="0.5")
-                ax.annotate(f"{r.strategy} (no saved set)", (0.02, r.step.median * 1e3),
-                            xycoords=("axes fraction", "data"), fontsize=7, color="0.4", va="bottom")
+        mine = [r for r in points if r.workload == wl]
+        times = [r.step.median * 1e3 for r in mine if r.step is not None]
         if times and max(times) / max(min(times), 1e-9) > 20:
             ax.set_yscale("log")
-        for r in points:
-            if r.workload != wl:
-                continue
+        for r in mine:
             k = strategies.index(r.strategy)
-            assert r.saved is not None and r.step is not None
-            ax.errorbar(r.saved.activations / 1e6, r.step.median * 1e3,
+            assert r.memory is not None and r.memory.peak is not None and r.step is not None
+            ax.errorbar(r.memory.peak / 1e6, r.step.median * 1e3,
                         yerr=[[r.step.median * 1e3 - r.step.q1 * 1e3], [r.step.q3 * 1e3 - r.step.median * 1e3]],
-                        fmt=markers[k % len(markers)], color=f"C{k}", label=r.strategy, capsize=3)
+                        fmt=markers[k % len(markers)], color=f"C{k % 10}", label=r.strategy, capsize=3)
         ax.set_title(wl, fontsize=10)
-        ax.set_xlabel("saved activations (MB)")
+        ax.set_xlabel("step peak memory (MB, XLA)")
         ax.set_ylabel("step time (ms, median, IQR)")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(workloads):]:
@@ -136,8 +146,8 @@ def plot(path: str, rows: Sequence[Row]) -> str:
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 4), frameon=False)
+    fig.tight_layout(rect=(0, 0.04 * (1 + len(handles) // 4), 1, 1))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

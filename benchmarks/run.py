@@ -43,7 +43,7 @@ flags.DEFINE_list("workloads", None, f"Only these workloads (names in the suite;
 flags.DEFINE_list("strategies", None, "Only these strategies, e.g. 'fused,aotgrad:*'. Globs allowed.")
 flags.DEFINE_integer("repeats", None, "Interleaved timing rounds per workload (overrides the suite).")
 flags.DEFINE_string("out", DEFAULT_OUT, "Where to write the JSON results.")
-flags.DEFINE_string("plot", None, "Write a PNG plot (saved bytes vs step time) here; needs matplotlib.")
+flags.DEFINE_string("plot", None, "Write a PNG plot (step peak memory vs step time) here; needs matplotlib.")
 flags.DEFINE_bool("peers", False, "Include the PyTorch peers (torch_eager, torch_aot_min_cut) when "
                   "torch is importable.")
 
@@ -195,7 +195,7 @@ def run_workload(spec: suite_mod.WorkloadSpec, strategies: Sequence[str], repeat
             err = None
             p = dataclasses.replace(p, notes=p.notes + (f"gradient check failed: {_first_line(e)}",))
         rows[s] = Row(spec.name, s, step=summarize(samples[s]), steps_per_sample=steps[s],
-                      saved=p.saved, temp=p.temp, build=p.build, first_step_s=p.first_step_s,
+                      saved=p.saved, memory=p.memory, build=p.build, first_step_s=p.first_step_s,
                       grad_error=err, notes=p.notes)
     medians = {s: r.step.median for s, r in rows.items() if r.ok and r.step is not None}
     out = []

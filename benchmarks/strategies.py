@@ -8,18 +8,22 @@
 - `aotgrad:<name>@<budget>`: the same with `activation_memory_budget=<budget>`, for any
   registered partitioner and budget in [0, 1], named explicitly (`aotgrad:*` does not
   expand to budgets);
+- `checkpoint:<policy>`: `jax.jit(jax.value_and_grad(loss))` with `jax.checkpoint(policy=...)`
+  on each layer (the scan body for scanned models), for the policies a JAX user reaches for:
+  `nothing_saveable`, `dots_saveable`, `dots_with_no_batch_dims_saveable`;
 - `autocast:bf16` / `autocast:fp16`: `aotgrad.fwd_and_bwd(loss, argnums=0)` built and run
   under `aotgrad.autocast(dtype=...)` (the default backend's table), to compare step time
   and saved bytes with float32; the gradient error is against float32.
 
 `prepare(name, workload)` builds and warms a strategy and measures what does not need
-repeated timing (saved bytes, XLA temp memory, build seconds, gradient error inputs).
+repeated timing (saved bytes, XLA memory of each program, build seconds, gradient error inputs).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import time
 from typing import Any, Callable, ContextManager
 
@@ -29,10 +33,10 @@ from jax.extend.core import Var
 
 import aotgrad
 from aotgrad.partition import PARTITIONERS
-from benchmarks.workloads import Workload
+from benchmarks.workloads import Workload, build
 
-__all__ = ["AOTGRAD_PREFIX", "BASE_STRATEGIES", "BuildSeconds", "Prepared", "SavedBytes",
-           "TempBytes", "available", "expand", "prepare"]
+__all__ = ["AOTGRAD_PREFIX", "BASE_STRATEGIES", "BuildSeconds", "CHECKPOINT_POLICIES", "Prepared",
+           "ProgramMemory", "SavedBytes", "available", "expand", "prepare"]
 
 AOTGRAD_PREFIX = "aotgrad:"
 BASE_STRATEGIES = ("fused", "jax_fwd_and_bwd")
@@ -49,15 +53,27 @@ class SavedBytes:
 
 
 @dataclasses.dataclass(frozen=True)
-class TempBytes:
-    """XLA scratch memory (`memory_analysis().temp_size_in_bytes`) of each program."""
-    forward: int | None
-    backward: int | None
+class ProgramMemory:
+    """XLA's `memory_analysis()` of a strategy's programs, in bytes (None: not reported,
+    or no such program). A program's peak is its arguments + outputs + scratch: for a
+    backward, the saved values, cotangents and gradients it holds besides its scratch.
+    The step's peak is the larger of the two (a one-program strategy has only `forward`)."""
+    forward_temp: int | None
+    forward_peak: int | None
+    backward_temp: int | None = None
+    backward_peak: int | None = None
 
     @property
     def peak(self) -> int | None:
-        vals = [v for v in (self.forward, self.backward) if v is not None]
+        vals = [v for v in (self.forward_peak, self.backward_peak) if v is not None]
         return max(vals) if vals else None
+
+    @classmethod
+    def of(cls, forward: Any, backward: Any = None) -> "ProgramMemory":
+        """From compiled programs (`jax.stages.Compiled`)."""
+        ft, fp = _stats(forward)
+        bt, bp = _stats(backward) if backward is not None else (None, None)
+        return cls(ft, fp, bt, bp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +94,7 @@ class Prepared:
     grads: Any  # gradients from one step, for the error check
     first_step_s: float  # the first call: tracing + compiling + one step
     saved: SavedBytes | None
-    temp: TempBytes | None
+    memory: ProgramMemory | None
     build: BuildSeconds | None
     notes: tuple[str, ...] = ()
     block: Callable[[Any], Any] = jax.block_until_ready  # waits for a `step` result
@@ -89,7 +105,8 @@ class Prepared:
 def available() -> tuple[str, ...]:
     """Every strategy this installation can run: the base ones, one per partitioner, and
     the autocast ones."""
-    return BASE_STRATEGIES + tuple(AOTGRAD_PREFIX + p for p in PARTITIONERS) + tuple(AUTOCAST_STRATEGIES)
+    return (BASE_STRATEGIES + tuple(AOTGRAD_PREFIX + p for p in PARTITIONERS) + CHECKPOINT_STRATEGIES
+            + tuple(AUTOCAST_STRATEGIES))
 
 
 def expand(patterns: list[str]) -> tuple[list[str], list[str]]:
@@ -137,6 +154,8 @@ def prepare(name: str, workload: Workload, memory: bool = True) -> Prepared:
         return _aotgrad(name, name[len(AOTGRAD_PREFIX):], workload, memory)
     if name in AUTOCAST_STRATEGIES:
         return _autocast(name, workload, memory)
+    if name in CHECKPOINT_STRATEGIES:
+        return _checkpointed(name, workload, memory)
     raise ValueError(f"unknown strategy {name!r}; available: {list(available())}")
 
 
@@ -146,20 +165,38 @@ def _timed_first(step: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def _temp(compiled: Any) -> int | None:
+def _stats(compiled: Any) -> tuple[int | None, int | None]:
+    """(scratch bytes, peak bytes) of one compiled program."""
     try:
-        stats = compiled.memory_analysis()
+        m = compiled.memory_analysis()
     except Exception:  # some backends do not implement it
-        return None
-    return None if stats is None else int(stats.temp_size_in_bytes)
+        return None, None
+    if m is None:
+        return None, None
+    return (int(m.temp_size_in_bytes),
+            int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes))
 
 
-def _fused(w: Workload, memory: bool) -> Prepared:
+def _fused(w: Workload, memory: bool, name: str = "fused") -> Prepared:
     fn = jax.jit(jax.value_and_grad(w.loss_fn, argnums=0))
     step = lambda: fn(w.params, w.batch)  # noqa: E731
     (_, grads), first = _timed_first(step)
-    temp = TempBytes(_temp(fn.lower(w.params, w.batch).compile()), None) if memory else None
-    return Prepared("fused", step, contextlib.nullcontext, grads, first, None, temp, None)
+    mem = ProgramMemory.of(fn.lower(w.params, w.batch).compile()) if memory else None
+    return Prepared(name, step, contextlib.nullcontext, grads, first, None, mem, None)
+
+
+# Names of `jax.checkpoint_policies` entries offered as strategies.
+CHECKPOINT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
+CHECKPOINT_PREFIX = "checkpoint:"
+CHECKPOINT_STRATEGIES = tuple(CHECKPOINT_PREFIX + p for p in CHECKPOINT_POLICIES)
+
+
+def _checkpointed(name: str, w: Workload, memory: bool) -> Prepared:
+    """The fused program of the same model with `jax.checkpoint(policy)` on each layer."""
+    policy = getattr(jax.checkpoint_policies, name[len(CHECKPOINT_PREFIX):])
+    remat = functools.partial(jax.checkpoint, policy=policy)
+    again = build(w.name, w.kind, w.sizes, remat=remat)  # same seed: the same parameters
+    return _fused(dataclasses.replace(w, loss_fn=again.loss_fn), memory, name)
 
 
 def _fwd_bwd_step(fwd: Callable, bwd: Callable, w: Workload) -> Callable[[], Any]:
@@ -207,13 +244,12 @@ def _jax_peer(w: Workload, memory: bool) -> Prepared:
                        inputs_copied=copied)
     if copied:
         notes += (f"the residuals hold copies of {copied / 1e6:.2f} MB of inputs (new buffers: extra memory)",)
-    temp = None
+    mem = None
     if memory:  # the jit caches make these compiles cheap: both programs already ran
         ct = jnp.ones((), jnp.float32)
-        temp = TempBytes(_temp(fwd.lower(w.params, w.batch).compile()),
-                         _temp(bwd.lower(residuals, ct).compile()))
+        mem = ProgramMemory.of(fwd.lower(w.params, w.batch).compile(), bwd.lower(residuals, ct).compile())
     del out, residuals
-    return Prepared("jax_fwd_and_bwd", step, contextlib.nullcontext, grads, first, saved, temp, None, notes)
+    return Prepared("jax_fwd_and_bwd", step, contextlib.nullcontext, grads, first, saved, mem, None, notes)
 
 
 def _aotgrad(name: str, partitioner: str, w: Workload, memory: bool) -> Prepared:
@@ -250,10 +286,10 @@ def _aotgrad(name: str, partitioner: str, w: Workload, memory: bool) -> Prepared
         notes.append(f"explain says {report.saved_bytes:,} saved activation bytes; "
                      f"the forward returned {measured.activations:,}")
     saved = SavedBytes(activations=report.saved_bytes, inputs=measured.inputs, arrays=measured.arrays)
-    temp = TempBytes(_temp(compiled.forward), _temp(compiled.backward)) if memory else None
+    mem = ProgramMemory.of(compiled.forward, compiled.backward) if memory else None
     t = compiled.timings
     build = BuildSeconds(t.trace, t.partition, t.lower, t.compile)
-    return Prepared(name, step, context, grads, first, saved, temp, build, tuple(notes))
+    return Prepared(name, step, context, grads, first, saved, mem, build, tuple(notes))
 
 
 # ----------------------------------------------------------------------------- autocast
@@ -283,14 +319,14 @@ def _autocast(name: str, w: Workload, memory: bool) -> Prepared:
         report = aotgrad.explain(of_params, w.params)
     saved = SavedBytes(activations=report.saved_bytes, inputs=report.saved_input_bytes,
                        arrays=len(report.saved))
-    temp = TempBytes(_temp(compiled.forward), _temp(compiled.backward)) if memory else None
+    mem = ProgramMemory.of(compiled.forward, compiled.backward) if memory else None
     t = compiled.timings
     reference = jax.jit(jax.grad(w.loss_fn))(w.params, w.batch)
     error = max_relative_error(grads, reference)
     notes = [f"casts: {report.casts}"]
     if error > tolerance:
         notes.append(f"gradient error {error:.1e} above the expected {tolerance:.0e} for {jnp.dtype(dtype).name}")
-    return Prepared(name, step, context, grads, first, saved, temp,
+    return Prepared(name, step, context, grads, first, saved, mem,
                     BuildSeconds(t.trace, t.partition, t.lower, t.compile), tuple(notes))
 
 

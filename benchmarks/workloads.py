@@ -2,10 +2,16 @@
 
 `loss_fn(params, batch) -> scalar`; the suite differentiates it with respect to `params`
 (argument 0). Builders are registered in `BUILDERS` under the `kind` a suite file names.
+
+Every builder takes `remat`, a function wrapper applied to each layer (a transformer
+block, an MLP layer, a convolution stage, the RNN cell, the scanned GPT's scan body):
+the `jax.checkpoint` strategies pass `functools.partial(jax.checkpoint, policy=...)`, as a
+JAX user puts `jax.checkpoint` on each layer. The default leaves layers as they are.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -17,6 +23,11 @@ __all__ = ["BUILDERS", "Workload", "build"]
 Params = dict[str, Any]
 Batch = dict[str, Any]
 LossFn = Callable[[Params, Batch], jax.Array]
+Remat = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def _plain(layer: Callable[..., Any]) -> Callable[..., Any]:
+    return layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +77,8 @@ def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------------- MLP
 
-def mlp(seed: int = 0, *, batch: int, width: int, depth: int) -> tuple[LossFn, Params, Batch]:
+def mlp(seed: int = 0, *, batch: int, width: int, depth: int,
+        remat: Remat = _plain) -> tuple[LossFn, Params, Batch]:
     """`depth` layers of exact (erf) GELU(x @ W + b), width `width`; mean squared error."""
     keys = _Keys(seed)
     params = {f"layer{i}": {"w": _dense(keys, width, width), "b": jnp.zeros((width,), jnp.float32)}
@@ -74,11 +86,14 @@ def mlp(seed: int = 0, *, batch: int, width: int, depth: int) -> tuple[LossFn, P
     data = {"x": jax.random.normal(keys(), (batch, width), jnp.float32),
             "y": jax.random.normal(keys(), (batch, width), jnp.float32)}
 
+    @remat
+    def layer(p: Params, h: jax.Array) -> jax.Array:
+        return jax.nn.gelu(h @ p["w"] + p["b"], approximate=False)
+
     def loss_fn(params: Params, batch: Batch) -> jax.Array:
         h = batch["x"]
         for i in range(depth):
-            layer = params[f"layer{i}"]
-            h = jax.nn.gelu(h @ layer["w"] + layer["b"], approximate=False)
+            h = layer(params[f"layer{i}"], h)
         return jnp.mean(jnp.square(h - batch["y"]))
 
     return loss_fn, params, data
@@ -117,48 +132,83 @@ def _block(p: Params, x: jax.Array, heads: int) -> jax.Array:
 
 
 def transformer_block(seed: int = 0, *, batch: int, seq: int, d_model: int,
-                      heads: int) -> tuple[LossFn, Params, Batch]:
+                      heads: int, remat: Remat = _plain) -> tuple[LossFn, Params, Batch]:
     """One pre-LN block on (batch, seq, d_model) activations; mean squared error to a target."""
     keys = _Keys(seed)
     params = _block_params(keys, d_model)
     data = {"x": jax.random.normal(keys(), (batch, seq, d_model), jnp.float32),
             "y": jax.random.normal(keys(), (batch, seq, d_model), jnp.float32)}
 
+    block = remat(functools.partial(_block, heads=heads))
+
     def loss_fn(params: Params, batch: Batch) -> jax.Array:
-        return jnp.mean(jnp.square(_block(params, batch["x"], heads) - batch["y"]))
+        return jnp.mean(jnp.square(block(params, batch["x"]) - batch["y"]))
 
     return loss_fn, params, data
 
 
 def gpt(seed: int = 0, *, batch: int, seq: int, d_model: int, heads: int, layers: int,
-        vocab: int) -> tuple[LossFn, Params, Batch]:
+        vocab: int, remat: Remat = _plain) -> tuple[LossFn, Params, Batch]:
     """GPT-style stack: token + position embeddings, `layers` pre-LN blocks (a Python
     loop, so every layer is its own code), final LayerNorm, tied-embedding logits,
     next-token cross-entropy on integer tokens."""
     keys = _Keys(seed)
-    params = {
+    params = _gpt_params(keys, d_model, seq, vocab, layers)
+    block = remat(functools.partial(_block, heads=heads))
+
+    def loss_fn(params: Params, batch: Batch) -> jax.Array:
+        x = params["wte"][batch["tokens"]] + params["wpe"]
+        for p in params["blocks"]:
+            x = block(p, x)
+        return _gpt_head(params, x, batch)
+
+    return loss_fn, params, _gpt_batch(keys, batch, seq, vocab)
+
+
+def gpt_scan(seed: int = 0, *, batch: int, seq: int, d_model: int, heads: int, layers: int,
+             vocab: int, remat: Remat = _plain) -> tuple[LossFn, Params, Batch]:
+    """The GPT stack written as large JAX models are: the blocks' parameters stacked on a
+    leading layer axis and one `lax.scan` over them (the same model as `gpt`, one body)."""
+    keys = _Keys(seed)
+    params = _gpt_params(keys, d_model, seq, vocab, layers)
+    params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *params["blocks"])
+
+    @remat
+    def body(x: jax.Array, p: Params) -> tuple[jax.Array, None]:
+        return _block(p, x, heads), None
+
+    def loss_fn(params: Params, batch: Batch) -> jax.Array:
+        x = params["wte"][batch["tokens"]] + params["wpe"]
+        x, _ = jax.lax.scan(body, x, params["blocks"])
+        return _gpt_head(params, x, batch)
+
+    return loss_fn, params, _gpt_batch(keys, batch, seq, vocab)
+
+
+def _gpt_params(keys: _Keys, d_model: int, seq: int, vocab: int, layers: int) -> Params:
+    return {
         "wte": jax.random.normal(keys(), (vocab, d_model), jnp.float32) * 0.02,
         "wpe": jax.random.normal(keys(), (seq, d_model), jnp.float32) * 0.02,
         "blocks": [_block_params(keys, d_model) for _ in range(layers)],
         "ln_f": {"scale": jnp.ones((d_model,), jnp.float32), "bias": jnp.zeros((d_model,), jnp.float32)},
     }
+
+
+def _gpt_batch(keys: _Keys, batch: int, seq: int, vocab: int) -> Batch:
     tokens = jax.random.randint(keys(), (batch, seq + 1), 0, vocab, jnp.int32)
-    data = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
 
-    def loss_fn(params: Params, batch: Batch) -> jax.Array:
-        x = params["wte"][batch["tokens"]] + params["wpe"]
-        for p in params["blocks"]:
-            x = _block(p, x, heads)
-        x = _layer_norm(x, params["ln_f"]["scale"], params["ln_f"]["bias"])
-        return _cross_entropy(x @ params["wte"].T, batch["targets"])
 
-    return loss_fn, params, data
+def _gpt_head(params: Params, x: jax.Array, batch: Batch) -> jax.Array:
+    """Final LayerNorm, tied-embedding logits, next-token cross-entropy."""
+    x = _layer_norm(x, params["ln_f"]["scale"], params["ln_f"]["bias"])
+    return _cross_entropy(x @ params["wte"].T, batch["targets"])
 
 
 # ----------------------------------------------------------------------------- conv net
 
 def convnet(seed: int = 0, *, batch: int, image: int, channels: list[int],
-            classes: int) -> tuple[LossFn, Params, Batch]:
+            classes: int, remat: Remat = _plain) -> tuple[LossFn, Params, Batch]:
     """3x3 convolutions (stride 2 after the first), each followed by batch-norm with
     batch statistics (mean/variance over N, H, W; training mode) and ReLU; global average
     pool, a dense classifier, softmax cross-entropy. NHWC."""
@@ -175,25 +225,31 @@ def convnet(seed: int = 0, *, batch: int, image: int, channels: list[int],
     data = {"images": jax.random.normal(keys(), (batch, image, image, 3), jnp.float32),
             "labels": jax.random.randint(keys(), (batch,), 0, classes, jnp.int32)}
 
+    stages = [remat(functools.partial(_conv_stage, stride=1 if i == 0 else 2)) for i in range(len(channels))]
+
     def loss_fn(params: Params, batch: Batch) -> jax.Array:
         x = batch["images"]
         for i, layer in enumerate(params["convs"]):
-            stride = 1 if i == 0 else 2
-            x = jax.lax.conv_general_dilated(x, layer["w"], (stride, stride), "SAME",
-                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
-            mean = jnp.mean(x, axis=(0, 1, 2))
-            var = jnp.mean(jnp.square(x - mean), axis=(0, 1, 2))
-            x = (x - mean) * jax.lax.rsqrt(var + 1e-5) * layer["scale"] + layer["bias"]
-            x = jax.nn.relu(x)
+            x = stages[i](layer, x)
         x = jnp.mean(x, axis=(1, 2))
         return _cross_entropy(x @ params["head"]["w"] + params["head"]["b"], batch["labels"])
 
     return loss_fn, params, data
 
 
+def _conv_stage(layer: Params, x: jax.Array, stride: int) -> jax.Array:
+    x = jax.lax.conv_general_dilated(x, layer["w"], (stride, stride), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    mean = jnp.mean(x, axis=(0, 1, 2))
+    var = jnp.mean(jnp.square(x - mean), axis=(0, 1, 2))
+    x = (x - mean) * jax.lax.rsqrt(var + 1e-5) * layer["scale"] + layer["bias"]
+    return jax.nn.relu(x)
+
+
 # ----------------------------------------------------------------------------- RNN
 
-def rnn(seed: int = 0, *, batch: int, seq: int, d_in: int, hidden: int) -> tuple[LossFn, Params, Batch]:
+def rnn(seed: int = 0, *, batch: int, seq: int, d_in: int, hidden: int,
+        remat: Remat = _plain) -> tuple[LossFn, Params, Batch]:
     """Elman RNN, h_t = tanh(x_t Wx + h_{t-1} Wh + b), as one `lax.scan` over time;
     mean squared error of a linear readout of every h_t."""
     keys = _Keys(seed)
@@ -203,6 +259,7 @@ def rnn(seed: int = 0, *, batch: int, seq: int, d_in: int, hidden: int) -> tuple
             "y": jax.random.normal(keys(), (seq, batch, d_in), jnp.float32)}
 
     def loss_fn(params: Params, batch: Batch) -> jax.Array:
+        @remat
         def cell(h: jax.Array, x_t: jax.Array) -> tuple[jax.Array, jax.Array]:
             h = jnp.tanh(x_t @ params["wx"] + h @ params["wh"] + params["b"])
             return h, h
@@ -218,17 +275,19 @@ BUILDERS: dict[str, Callable[..., tuple[LossFn, Params, Batch]]] = {
     "mlp": mlp,
     "transformer_block": transformer_block,
     "gpt": gpt,
+    "gpt_scan": gpt_scan,
     "convnet": convnet,
     "rnn": rnn,
 }
 
 
-def build(name: str, kind: str, sizes: dict[str, Any], seed: int = 0) -> Workload:
-    """Builds the workload `kind` (a key of BUILDERS) with `sizes` as keyword arguments."""
+def build(name: str, kind: str, sizes: dict[str, Any], seed: int = 0, remat: Remat = _plain) -> Workload:
+    """Builds the workload `kind` (a key of BUILDERS) with `sizes` as keyword arguments;
+    `remat` wraps each layer (see the module docstring)."""
     if kind not in BUILDERS:
         raise ValueError(f"workload {name!r}: unknown kind {kind!r}; known kinds: {sorted(BUILDERS)}")
     try:
-        loss_fn, params, batch = BUILDERS[kind](seed, **sizes)
+        loss_fn, params, batch = BUILDERS[kind](seed, **sizes, remat=remat)
     except TypeError as e:
         raise ValueError(f"workload {name!r} (kind {kind!r}): bad sizes {sizes}: {e}") from None
     return Workload(name, kind, dict(sizes), loss_fn, params, batch)

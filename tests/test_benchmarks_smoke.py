@@ -77,7 +77,9 @@ def test_runner_cli_writes_expected_json(tiny_suite: Path, tmp_path: Path) -> No
         if strategy.startswith("aotgrad:"):
             b = r["build"]
             assert b["trace"] > 0 and b["compile"] > 0
-            assert r["temp"] is not None
+        m = r["memory"]  # XLA's memory analysis: every program's peak holds at least its outputs
+        assert m is not None and m["forward_peak"] > 0 and m["peak"] >= m["forward_peak"]
+        assert (m["backward_peak"] is None) == (strategy == "fused")
     overhead = {(o["mode"], o["strategy"]): o for o in data["overhead"]["rows"]}
     assert ("latency", "jax_fwd_and_bwd") in overhead
     assert all(o["per_call"]["median"] > 0 for o in overhead.values())
