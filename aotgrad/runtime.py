@@ -20,7 +20,7 @@ from jax.tree_util import tree_leaves, tree_unflatten
 from aotgrad import anomaly
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.config import Snapshot, config
-from aotgrad.partition import JointGraph, Split, partition
+from aotgrad.partition import JointGraph, Split, partition, scan_rules
 from aotgrad.signature import ArrayImpl
 from aotgrad.trace import ForwardTrace, autocast_backward, differentiable, trace_joint
 
@@ -82,7 +82,8 @@ class ProgramPair:
     def build(cls, owner: str, fwd: ForwardTrace, perturbed: tuple[bool, ...],
               has_ct: tuple[bool, ...], options: Snapshot) -> "ProgramPair":
         t0 = time.perf_counter()
-        graph = trace_joint(fwd, perturbed, has_ct)
+        graph = trace_joint(fwd, perturbed, has_ct, scan_rules(options["partitioner"],
+                                                               options["activation_memory_budget"]))
         t1 = time.perf_counter()
         sp = partition(graph, options["partitioner"], options["activation_memory_budget"])
         t2 = time.perf_counter()

@@ -35,10 +35,10 @@ class ForwardTrace:
     def out_avals(self) -> tuple[Any, ...]:
         return tuple(self.jaxpr.out_avals)
 
-    def __call__(self, *inputs: Any) -> list[Any]:
-        """(consts..., leaves...) -> flat outputs."""
+    def __call__(self, *inputs: Any, rules: dict | None = None) -> list[Any]:
+        """(consts..., leaves...) -> flat outputs; `rules` as in `interpret.eval_jaxpr`."""
         n = len(self.consts)
-        return eval_jaxpr(self.jaxpr.jaxpr, inputs[:n], inputs[n:])
+        return eval_jaxpr(self.jaxpr.jaxpr, inputs[:n], inputs[n:], rules)
 
 
 def trace_forward(flat_fn: Callable[..., Any], fn_name: str, avals: Sequence[Any],
@@ -69,11 +69,14 @@ def differentiable(aval: Any) -> bool:
     return jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)
 
 
-def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[bool]) -> JointGraph:
+def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[bool],
+                rules: dict | None = None) -> JointGraph:
     """Traces (inputs..., cotangents...) -> (outputs..., cotangents of perturbed inputs...).
 
     `perturbed[i]`: input i is differentiated. `has_ct[j]`: output j receives a cotangent
-    (the others, integer outputs and auxiliary data, get zero cotangents).
+    (the others, integer outputs and auxiliary data, get zero cotangents). `rules`
+    re-bind forward equations before differentiation (scan bodies cut on their own,
+    `partition.scan`).
     """
     in_avals = list(fwd.in_avals)
     diff_pos = [i for i, p in enumerate(perturbed) if p]
@@ -87,7 +90,7 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
             full = list(inputs)
             for i, d in zip(diff_pos, diff):
                 full[i] = d
-            return fwd(*full)
+            return fwd(*full, rules=rules)
 
         outs, vjp = jax.vjp(f, *[inputs[i] for i in diff_pos])
         full_cts = [_zero_cotangent(a) for a in fwd.out_avals]

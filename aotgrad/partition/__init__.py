@@ -12,9 +12,10 @@ from jax.extend.core import Var
 from aotgrad.partition.default import save_what_backward_reads
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import min_cut
+from aotgrad.partition.scan import partition_scans
 from aotgrad.partition.split import Split, split
 
-__all__ = ["PARTITIONERS", "JointGraph", "Split", "partition", "split"]
+__all__ = ["PARTITIONERS", "SCAN_BODY_CUTS", "JointGraph", "Split", "partition", "scan_rules", "split"]
 
 # (graph, activation_memory_budget) -> {saved value: reason}
 Strategy = Callable[[JointGraph, float], dict[Var, str]]
@@ -25,5 +26,17 @@ PARTITIONERS: dict[str, Strategy] = {
 }
 
 
+# Strategies that also cut inside scan bodies (`partition.scan`); the others leave a scan's
+# residuals as `jax.vjp` keeps them.
+SCAN_BODY_CUTS = frozenset({"min_cut"})
+
+
 def partition(graph: JointGraph, strategy: str, budget: float = 1.0) -> Split:
     return split(graph, PARTITIONERS[strategy](graph, budget))
+
+
+def scan_rules(strategy: str, budget: float) -> dict | None:
+    """Rules that cut each scan body with `strategy` before the joint graph is traced."""
+    if strategy not in SCAN_BODY_CUTS:
+        return None
+    return partition_scans(PARTITIONERS[strategy], budget)

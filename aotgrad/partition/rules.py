@@ -58,7 +58,7 @@ _CHEAP = """
     integer_pow iota is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter
     not or polygamma population_count pow real reduce_precision rem reshape round rsqrt
     select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh slice sqrt
-    square squeeze stop_gradient sub tan tanh xor sharding_constraint pvary
+    square squeeze stop_gradient sub tan tanh xor sharding_constraint pvary name
     igamma igammac igamma_grad_a random_gamma_grad bessel_i0e bessel_i1e zeta regularized_incomplete_beta
 """
 _MOVE = """

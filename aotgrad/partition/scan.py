@@ -1,0 +1,102 @@
+"""Partitioning inside `lax.scan` bodies: the body's own joint graph gets the same cut.
+
+A scan is one opaque equation to the graph-level cut, so by default its residuals are
+whatever `jax.vjp` of the scan keeps per iteration. Before the joint graph is traced,
+each scan body is cut on its own: every value in the body is named
+(`checkpoint_name`), the body's joint graph (body and its VJP) is traced and cut by the
+same strategy and budget, and the body is wrapped in
+`jax.checkpoint(policy=save_only_these_names(<the cut>))`. JAX's scan autodiff then
+stacks exactly those values (and the carries) as the scan's residuals and recomputes the
+rest inside the backward scan's body. Both programs keep the scan as a scan.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.extend.core.primitives as P
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
+
+from aotgrad._jax_internals import bind_eqn
+
+__all__ = ["BodyCut", "partition_scans"]
+
+# (joint graph of a body, budget) -> {saved joint value: reason}
+BodyCut = Callable[[Any, float], dict[Var, str]]
+
+_PREFIX = "aotgrad_scan_value_"
+
+
+def partition_scans(cut: BodyCut, budget: float) -> dict[Any, Callable[[JaxprEqn, list], list]]:
+    """Evaluation rules (see `interpret.eval_jaxpr`) that re-bind every scan with its
+    body cut by `cut` at `budget`; nested scans are cut the same way."""
+    rules: dict[Any, Callable[[JaxprEqn, list], list]] = {}
+
+    def scan_rule(eqn: JaxprEqn, invals: list) -> list:
+        p = eqn.params
+        body: ClosedJaxpr = p["jaxpr"]
+        if body.jaxpr.effects:  # a checkpointed body may not have effects: JAX's residuals
+            return bind_eqn(eqn, invals)
+        nc, ncar = p["num_consts"], p["num_carry"]
+        names = _cut_names(body, cut, budget, rules)
+
+        policy = jax.checkpoint_policies.save_only_these_names(*names)
+        step = jax.checkpoint(lambda *xs: _eval_named(body, xs, rules), policy=policy)
+        consts = invals[:nc]
+
+        def scan_body(carry: list, x: list) -> tuple[list, list]:
+            outs = step(*consts, *carry, *x)
+            return outs[:ncar], outs[ncar:]
+
+        carry, ys = jax.lax.scan(scan_body, list(invals[nc:nc + ncar]), list(invals[nc + ncar:]),
+                                 length=p["length"], reverse=p["reverse"], unroll=p["unroll"],
+                                 _split_transpose=p.get("_split_transpose", False))
+        return [*carry, *ys]
+
+    rules[P.scan_p] = scan_rule
+    return rules
+
+
+def _eval_named(body: ClosedJaxpr, args: Any, rules: dict) -> list:
+    """Evaluates `body`, naming each array its equations produce `<prefix><k>` (k: the
+    value's position in the body), so a policy can save exactly the chosen ones."""
+    from aotgrad.interpret import read
+    jaxpr = body.jaxpr
+    env = dict(zip(jaxpr.constvars, body.consts))
+    env.update(zip(jaxpr.invars, args))
+    k = 0
+    for eqn in jaxpr.eqns:
+        invals = [read(env, v) for v in eqn.invars]
+        rule = rules.get(eqn.primitive)
+        outs = rule(eqn, invals) if rule else bind_eqn(eqn, invals)
+        for v, val in zip(eqn.outvars, outs):
+            if isinstance(v, Var):
+                env[v] = checkpoint_name(val, f"{_PREFIX}{k}") if _nameable(eqn, v) else val
+            k += 1
+    return [read(env, v) for v in jaxpr.outvars]
+
+
+def _nameable(eqn: JaxprEqn, v: Var) -> bool:
+    """Numeric arrays only (PRNG keys and float0 are recomputed or carried, never named)."""
+    dtype = getattr(v.aval, "dtype", None)
+    return (not eqn.effects and eqn.primitive is not P.name_p and dtype is not None
+            and (jax.numpy.issubdtype(dtype, np.number) or jax.numpy.issubdtype(dtype, np.bool_)))
+
+
+def _cut_names(body: ClosedJaxpr, cut: BodyCut, budget: float, rules: dict) -> tuple[str, ...]:
+    """The names of the body values the cut saves, per iteration."""
+    from aotgrad.trace import ForwardTrace, differentiable, trace_joint
+    avals = [v.aval for v in body.jaxpr.invars]
+    named = jax.make_jaxpr(lambda *xs: _eval_named(body, xs, rules))(*avals)
+    fwd = ForwardTrace(named, (), tuple(avals), None)
+    graph = trace_joint(fwd, tuple(map(differentiable, avals)), tuple(map(differentiable, named.out_avals)))
+    saved = cut(graph, budget)
+    name_of: dict[Var, str] = {}
+    for eqn in graph.eqns:
+        if eqn.primitive is P.name_p and eqn.params["name"].startswith(_PREFIX):
+            for v in (*eqn.invars, *eqn.outvars):
+                if isinstance(v, Var):
+                    name_of[v] = eqn.params["name"]
+    return tuple(sorted({name_of[v] for v in saved if v in name_of}))
