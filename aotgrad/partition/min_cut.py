@@ -23,6 +23,7 @@ from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 from aotgrad.partition import costs
 from aotgrad.partition.graph import JointGraph, live_eqns
 from aotgrad.partition.rules import FLOAT_EQUALITY, Kind, kind_of
+from aotgrad.partition.scan import is_cut_scan
 
 __all__ = ["Cut", "Problem", "min_cut"]
 
@@ -59,7 +60,7 @@ class Problem:
                 continue
             eqns.append(i)
             unsafe_test = eqn.primitive.name in FLOAT_EQUALITY and any(v in widened for v in _vars(eqn.invars))
-            kinds.append(Kind.UNSAFE if unsafe_test else kind_of(eqn))
+            kinds.append(Kind.UNSAFE if unsafe_test or is_cut_scan(eqn) else kind_of(eqn))
             for v in _vars(eqn.outvars):
                 position[v] = len(values)
                 values.append(v)
@@ -220,7 +221,10 @@ class Cut:
                 continue
             prim = graph.eqns[graph.producer[v]].primitive.name
             kind = problem.kind_of_value(problem.position[v])
-            if kind is Kind.UNSAFE and prim in FLOAT_EQUALITY:
+            if kind is Kind.UNSAFE and is_cut_scan(graph.eqns[graph.producer[v]]):
+                out[v] = ("banned: a scan cut per iteration is not run twice (the budget applies "
+                          "inside its body)")
+            elif kind is Kind.UNSAFE and prim in FLOAT_EQUALITY:
                 out[v] = (f"banned: {prim} of values widened from 16 bits is never run twice "
                           f"(a recomputed operand may round differently)")
             elif kind is Kind.UNSAFE:

@@ -7,7 +7,8 @@ each scan body is cut on its own: every value in the body is named
 same strategy and budget, and the body is wrapped in
 `jax.checkpoint(policy=save_only_these_names(<the cut>))`. JAX's scan autodiff then
 stacks exactly those values (and the carries) as the scan's residuals and recomputes the
-rest inside the backward scan's body. Both programs keep the scan as a scan.
+rest inside the backward scan's body. Both programs keep the scan as a scan. The
+memory budget acts inside the body; the graph-level cut does not recompute a cut scan.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
 from aotgrad._jax_internals import bind_eqn
 
-__all__ = ["BodyCut", "partition_scans"]
+__all__ = ["BodyCut", "is_cut_scan", "partition_scans"]
 
 # (joint graph of a body, budget) -> {saved joint value: reason}
 BodyCut = Callable[[Any, float], dict[Var, str]]
@@ -100,3 +101,13 @@ def _cut_names(body: ClosedJaxpr, cut: BodyCut, budget: float, rules: dict) -> t
                 if isinstance(v, Var):
                     name_of[v] = eqn.params["name"]
     return tuple(sorted({name_of[v] for v in saved if v in name_of}))
+
+
+def is_cut_scan(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` is a scan whose body was cut here (its residuals are the cut's). The
+    graph-level cut never recomputes such a scan whole: the budget already acted inside
+    its body, and a recomputed forward scan would cost a whole extra forward."""
+    if eqn.primitive is not P.scan_p:
+        return False
+    return any(e.primitive is P.name_p and e.params["name"].startswith(_PREFIX)
+               for e in eqn.params["jaxpr"].jaxpr.eqns)
