@@ -432,3 +432,57 @@ def test_pjit_bodies_are_rewritten():
     closed = jax.make_jaxpr(aotgrad.autocast("gpu")(lambda a: inner(a.astype(F32), a.astype(F32))))(x)
     assert float_in_dtypes(closed, P.dot_general_p) == [{np.dtype(F16)}]
     assert float_in_dtypes(closed, P.exp_p) == [{np.dtype(F32)}]
+
+
+# ----------------------------------------------------------------------------- jitted helpers
+
+def _fp32_op(device):
+    """An op on the device's fp32 list (hand-picked: exp on gpu/tpu, reduce_prod on cpu)."""
+    return jnp.exp if device != "cpu" else (lambda a: jnp.prod(a, axis=0, keepdims=True))
+
+
+# (policy class, helper op per device, whether `h + op(x)` stays 16-bit); h is 16-bit.
+_HELPER_OPS = {
+    "lower_precision_fp": (lambda device: lambda a: a @ a, True),
+    "fp32": (_fp32_op, False),
+    "promote": (lambda device: lambda a: jnp.concatenate([a, a])[:4], False),
+    "unlisted": (lambda device: lambda a: a * 3.0, False),
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu", "tpu"])
+@pytest.mark.parametrize("policy", list(_HELPER_OPS))
+def test_a_helper_promotes_the_same_plain_or_jitted(device, policy):
+    """The promotion of a helper's result does not depend on whether the helper is wrapped in
+    `jax.jit`: a value computed from an input is strongly typed (float32 wins over the
+    16-bit matmul result), a value built from literals alone follows the other operand.
+    The helper ends with a constant, so a flag left over from its last equation shows."""
+    make, stays_16_bit = _HELPER_OPS[policy]
+    op = make(device)
+
+    def helper(x):
+        return op(x), jnp.zeros((4, 4), F32)
+
+    def body(call):
+        def f(w, x):
+            a, c = call(x)
+            h = w @ w  # 16-bit under every table
+            return h + a, h + c
+        return f
+
+    dtype = {"cpu": BF16, "gpu": F16, "tpu": BF16}[device]
+    w = jnp.linspace(0.1, 0.9, 16, dtype=F32).reshape(4, 4)
+    x = w.T * 0.5
+    results = {}
+    for name, call in (("plain", helper), ("jit", jax.jit(helper)), ("nested jit", jax.jit(jax.jit(helper)))):
+        out, const = aotgrad.autocast(device, dtype)(body(call))(w, x)
+        assert out.dtype == (dtype if stays_16_bit else F32), (name, out.dtype)
+        assert const.dtype == dtype, (name, const.dtype)
+        results[name] = out
+    np.testing.assert_array_equal(results["plain"], results["jit"])
+    np.testing.assert_array_equal(results["plain"], results["nested jit"])
+    # Against a hand-cast reference: the matmul in 16 bits, the helper's op as its policy says.
+    h = (w.astype(dtype) @ w.astype(dtype))
+    a = op(x.astype(dtype)) if stays_16_bit else op(x)
+    np.testing.assert_allclose(np.asarray(results["plain"], np.float32),
+                               np.asarray(h.astype(F32) + a.astype(F32), np.float32), rtol=2e-2, atol=2e-2)

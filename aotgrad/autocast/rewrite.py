@@ -67,7 +67,6 @@ class Rewriter:
 
     def __init__(self) -> None:
         self.counts: collections.Counter = collections.Counter()
-        self.constant: list[bool] = []  # per input of the equation being rewritten
 
     # ---------------------------------------------------------------- casting
 
@@ -89,29 +88,28 @@ class Rewriter:
         else `default`. `constant_args`: which arguments are built from literals alone."""
         env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
-        # Values built from literals alone (`jnp.where(p, x, 0.0)`'s zeros) follow the other
-        # operands in promotion, like the weakly typed scalars they came from.
-        constant = {v for v, c in zip(jaxpr.invars, constant_args) if c}
+        constant = constant_vars(jaxpr, constant_args)
         for eqn in jaxpr.eqns:
-            self.constant = [isinstance(v, Literal) or v in constant for v in eqn.invars]
-            outs = self.eqn(eqn, [_read(env, v) for v in eqn.invars], setting_of(eqn, default))
+            flags = [isinstance(v, Literal) or v in constant for v in eqn.invars]
+            outs = self.eqn(eqn, [_read(env, v) for v in eqn.invars], setting_of(eqn, default), flags)
             env.update((v, o) for v, o in zip(eqn.outvars, outs) if isinstance(v, Var))
-            if all(self.constant) and not eqn.effects:
-                constant.update(v for v in eqn.outvars if isinstance(v, Var))
         return [_read(env, v) for v in jaxpr.outvars]
 
     def eval_closed(self, closed: ClosedJaxpr, args: Sequence[Any], default: Setting | None) -> list[Any]:
         return self.eval_jaxpr(closed.jaxpr, closed.consts, args, default)
 
-    def eqn(self, eqn: JaxprEqn, invals: list[Any], setting: Setting | None) -> list[Any]:
+    def eqn(self, eqn: JaxprEqn, invals: list[Any], setting: Setting | None,
+            constant: Sequence[bool]) -> list[Any]:
+        """One equation under `setting`; `constant[i]`: input i is built from literals alone."""
         rule = STRUCTURAL.get(eqn.primitive)
         if rule is not None:
-            return rule(self, eqn, invals, setting)
+            return rule(self, eqn, invals, setting, constant)
         if _has_body(eqn):  # a body typed for its declared inputs, and no rule for it
             return bind_eqn(eqn, [self.restore(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
-        return self.op(eqn, invals, setting)
+        return self.op(eqn, invals, setting, constant)
 
-    def op(self, eqn: JaxprEqn, invals: list[Any], setting: Setting | None) -> list[Any]:
+    def op(self, eqn: JaxprEqn, invals: list[Any], setting: Setting | None,
+           constant: Sequence[bool]) -> list[Any]:
         """One primitive: the policy's casts, then promotion of disagreeing floating inputs;
         a summing reduction left with a 16-bit input accumulates in float32."""
         policy = policy_for(setting.device_type, eqn.primitive, eqn.params) if setting else None
@@ -121,7 +119,7 @@ class Rewriter:
             vals = [self._to(x, atom, target, policy) if _aval_of(x, atom).dtype in _ELIGIBLE else x
                     for x, atom in zip(vals, eqn.invars)]
         if eqn.primitive not in _NO_PROMOTE:
-            vals = self._promote(eqn, vals)
+            vals = self._promote(eqn, vals, constant)
         params = _adjust_params(eqn, vals, policy, setting)
         if params is not eqn.params:
             eqn = eqn.replace(params=params)
@@ -144,14 +142,13 @@ class Rewriter:
             return np.asarray(x, dtype) if _aval_of(x, atom).dtype != dtype else x
         return self.cast(x, dtype, why)
 
-    def _promote(self, eqn: JaxprEqn, vals: list[Any]) -> list[Any]:
+    def _promote(self, eqn: JaxprEqn, vals: list[Any], constant: Sequence[bool]) -> list[Any]:
         """Casts floating inputs to the join of their types; weakly typed values and
         constants follow the others, as in JAX's own promotion."""
         avals = [_aval_of(x, a) for x, a in zip(vals, eqn.invars)]
         floats = [i for i, a in enumerate(avals) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating)]
         if len({avals[i].dtype for i in floats}) < 2:
             return vals
-        constant = self.constant if len(self.constant) == len(vals) else [False] * len(vals)
         strong = [i for i in floats if not (avals[i].weak_type or isinstance(eqn.invars[i], Literal)
                                             or constant[i])]
         join = functools.reduce(jax.numpy.promote_types, [avals[i].dtype for i in (strong or floats)])
@@ -220,14 +217,15 @@ def _scatter_kwargs(params: dict) -> dict:
 
 # ----------------------------------------------------------------------------- structural rules
 
-Rule = Callable[[Rewriter, JaxprEqn, list, "Setting | None"], list]
+# (rewriter, equation, input values, setting, which inputs are constant) -> output values
+Rule = Callable[[Rewriter, JaxprEqn, list, "Setting | None", Sequence[bool]], list]
 
 
 def _inline(param: str) -> Rule:
     """Calls (`jit`, `closed_call`): the body is evaluated in place, under the call's scopes."""
-    def rule(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -> list:
+    def rule(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
+             constant: Sequence[bool]) -> list:
         body = eqn.params[param]
-        constant = list(rw.constant)
         with eqn_context(eqn):
             if isinstance(body, ClosedJaxpr):
                 return rw.eval_jaxpr(body.jaxpr, body.consts, invals, setting, constant)
@@ -235,15 +233,17 @@ def _inline(param: str) -> Rule:
     return rule
 
 
-def _remat(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -> list:
+def _remat(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
+           constant: Sequence[bool]) -> list:
     p = eqn.params
-    body = functools.partial(rw.eval_jaxpr, p["jaxpr"], (), default=setting)
+    body = functools.partial(rw.eval_jaxpr, p["jaxpr"], (), default=setting, constant_args=constant)
     with eqn_context(eqn):
         return list(jax.checkpoint(lambda *xs: body(xs), prevent_cse=p["prevent_cse"],
                                    policy=p["policy"])(*invals))
 
 
-def _scan(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -> list:
+def _scan(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
+          constant: Sequence[bool]) -> list:
     p = eqn.params
     nc, ncar = p["num_consts"], p["num_carry"]
     consts, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
@@ -259,7 +259,8 @@ def _scan(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) ->
     return [*carry, *ys]
 
 
-def _while(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -> list:
+def _while(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
+           constant: Sequence[bool]) -> list:
     p = eqn.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
@@ -276,7 +277,8 @@ def _while(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -
         return list(lax.while_loop(cond, body, [rw.restore(c, d) for c, d in zip(init, dtypes)]))
 
 
-def _cond(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -> list:
+def _cond(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
+          constant: Sequence[bool]) -> list:
     index, ops = invals[0], invals[1:]
     dtypes = [v.aval.dtype for v in eqn.outvars]
 
@@ -287,7 +289,8 @@ def _cond(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) ->
         return list(lax.switch(index, [functools.partial(branch, b) for b in eqn.params["branches"]], *ops))
 
 
-def _custom_jvp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -> list:
+def _custom_jvp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
+                constant: Sequence[bool]) -> list:
     """The function and its JVP rule are both rewritten (under differentiation JAX runs the
     rule, not the function), re-traced at the inputs' new types."""
     p = eqn.params
@@ -315,7 +318,8 @@ def _custom_jvp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | No
     return bind_eqn(eqn.replace(params=params), invals)
 
 
-def _custom_vjp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -> list:
+def _custom_vjp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
+                constant: Sequence[bool]) -> list:
     """The function and its forward rule are rewritten inside declared boundaries (inputs,
     outputs, residuals); the user's backward is traced later, as part of the backward."""
     p = eqn.params
@@ -337,6 +341,31 @@ def _custom_vjp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | No
     params = {**p, "call_jaxpr": bounded(p["call_jaxpr"].jaxpr, p["call_jaxpr"].consts),
               "fwd_jaxpr_thunk": wrap_like(fwd_jaxpr_thunk, old_fwd)}
     return bind_eqn(eqn.replace(params=params), invals)
+
+
+# Calls whose body is evaluated in place: their outputs are constant as the body's are, so
+# a helper's values promote the same whether or not it is wrapped in `jax.jit`.
+_IN_PLACE = {P.jit_p: "jaxpr", P.closed_call_p: "call_jaxpr", P.call_p: "call_jaxpr", P.remat_p: "jaxpr"}
+
+
+def constant_vars(jaxpr: Jaxpr, constant_args: Sequence[bool] = ()) -> set[Var]:
+    """The values of `jaxpr` built from literals alone (`jnp.where(p, x, 0.0)`'s zeros), given
+    which arguments are. They follow the other operands in promotion, like the weakly typed
+    scalars they came from. Computed from the jaxpr alone, before any rewriting."""
+    constant = {v for v, c in zip(jaxpr.invars, constant_args) if c}
+    for eqn in jaxpr.eqns:
+        if eqn.effects:
+            continue
+        flags = [isinstance(v, Literal) or v in constant for v in eqn.invars]
+        if eqn.primitive in _IN_PLACE:
+            body = eqn.params[_IN_PLACE[eqn.primitive]]
+            body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
+            inner = constant_vars(body, flags)
+            outs = [isinstance(o, Literal) or o in inner for o in body.outvars]
+        else:
+            outs = [all(flags)] * len(eqn.outvars)
+        constant.update(v for v, c in zip(eqn.outvars, outs) if c and isinstance(v, Var))
+    return constant
 
 
 STRUCTURAL: dict[Any, Rule] = {
@@ -383,10 +412,12 @@ def rewrite_backward(program: ClosedJaxpr, n_cotangents: int,
         env: dict[Var, Any] = dict(zip(jaxpr.constvars, program.consts))
         env.update(zip(jaxpr.invars, args))
         backward = set(jaxpr.invars[len(jaxpr.invars) - n_cotangents:])
+        constant = constant_vars(jaxpr)
         for eqn in jaxpr.eqns:
             invals = [_read(env, v) for v in eqn.invars]
             if any(isinstance(v, Var) and v in backward for v in eqn.invars):
-                outs = rw.eqn(eqn, invals, choose(eqn))
+                flags = [isinstance(v, Literal) or v in constant for v in eqn.invars]
+                outs = rw.eqn(eqn, invals, choose(eqn), flags)
                 backward.update(v for v in eqn.outvars if isinstance(v, Var))
             else:
                 outs = bind_eqn(eqn, invals)
