@@ -58,7 +58,7 @@ class Problem:
             if not any(v in dependent for v in _vars(eqn.outvars)):
                 continue
             eqns.append(i)
-            unsafe_test = eqn.primitive.name in FLOAT_EQUALITY and any(v in widened for v in _vars(eqn.invars))
+            unsafe_test = eqn.primitive in FLOAT_EQUALITY and any(v in widened for v in _vars(eqn.invars))
             kinds.append(Kind.UNSAFE if unsafe_test else kind_of(eqn))
             for v in _vars(eqn.outvars):
                 position[v] = len(values)
@@ -218,9 +218,10 @@ class Cut:
             if v in inputs:
                 out[v] = "input: saved as itself, free"
                 continue
-            prim = graph.eqns[graph.producer[v]].primitive.name
+            primitive = graph.eqns[graph.producer[v]].primitive
+            prim = primitive.name
             kind = problem.kind_of_value(problem.position[v])
-            if kind is Kind.UNSAFE and prim in FLOAT_EQUALITY:
+            if kind is Kind.UNSAFE and primitive in FLOAT_EQUALITY:
                 out[v] = (f"banned: {prim} of values widened from 16 bits is never run twice "
                           f"(a recomputed operand may round differently)")
             elif kind is Kind.UNSAFE:
