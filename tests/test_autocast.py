@@ -142,12 +142,68 @@ NO_CASE = {P.eig_p, P.householder_product_p, P.fft_p, P.select_n_p, P.concatenat
            P.scatter_add_p, P.atan2_p}
 
 
+# The tables, written out by hand from PyTorch's autocast op lists as the design notes map
+# them onto lax primitives (docs/autocast.md). `integer_pow` is fp32 for a negative
+# exponent only ("fp32 if y < 0"). Not in the cpu table although the notes name them:
+# `geqrf` (reached through `qr`, which is listed) and 3-D pooling windows (no primitive of
+# their own in JAX).
+_GPU_LISTS = {
+    "lower_precision_fp": {P.dot_general_p, P.conv_general_dilated_p},
+    "fp32": {P.exp_p, P.expm1_p, P.log_p, P.log1p_p, P.pow_p, P.rsqrt_p, P.acos_p, P.asin_p, P.cosh_p,
+             P.sinh_p, P.tan_p, P.erf_inv_p, P.reduce_sum_p, P.reduce_prod_p, P.cumsum_p, P.cumprod_p},
+    "fp32 if y < 0": {P.integer_pow_p},
+    "promote": {P.concatenate_p, P.scatter_p, P.scatter_add_p, P.select_n_p, P.atan2_p},
+}
+EXPECTED_TABLES = {
+    "gpu": _GPU_LISTS,
+    "tpu": _GPU_LISTS,
+    "cpu": {
+        "lower_precision_fp": {P.dot_general_p, P.conv_general_dilated_p},
+        "fp32": {P.fft_p, P.cholesky_p, P.qr_p, P.svd_p, P.eig_p, P.eigh_p, P.lu_p, P.triangular_solve_p,
+                 P.householder_product_p, P.reduce_prod_p},
+        "promote": {P.concatenate_p, P.scatter_p, P.scatter_add_p, P.select_n_p, P.atan2_p},
+    },
+}
+
+
+def _policy_name(rule):
+    """A table rule as the names above: a function of params is probed at y = -2 and y = 2."""
+    if not callable(rule):
+        return rule
+    got = (rule({"y": -2}), rule({"y": 2}))
+    return "fp32 if y < 0" if got == (FP32, None) else f"function giving {got}"
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu", "tpu"])
+def test_tables_are_the_hand_written_lists(device):
+    """Each device table, primitive by primitive, against the lists written out above: an
+    entry moved (log1p to lower_precision_fp), added or dropped fails here."""
+    got: dict = {}
+    for prim, rule in aotgrad.autocast_policy_table(device).items():
+        got.setdefault(_policy_name(rule), set()).add(prim)
+    assert got == EXPECTED_TABLES[device]
+
+
+def test_each_device_table_is_its_own():
+    """tpu starts from the gpu lists, but registering for gpu changes gpu alone (and the
+    aliases reach the gpu table)."""
+    try:
+        aotgrad.register_autocast_policy("rocm", P.tanh_p, "fp32")
+        assert aotgrad.autocast_policy_table("gpu")[P.tanh_p] == FP32
+        assert P.tanh_p not in aotgrad.autocast_policy_table("tpu")
+        assert P.tanh_p not in aotgrad.autocast_policy_table("cpu")
+    finally:
+        aotgrad.register_autocast_policy("gpu", P.tanh_p, None)
+    assert P.tanh_p not in aotgrad.autocast_policy_table("gpu")
+
+
 def _table_rows():
-    for device, table in TABLES.items():
-        for prim, rule in table.items():
-            policy = FP32 if prim is P.integer_pow_p else rule
-            if policy in (LOWER, FP32) and prim not in NO_CASE:
-                yield pytest.param(device, prim, policy, id=f"{device}-{prim.name}")
+    for device, lists in EXPECTED_TABLES.items():
+        for name, prims in lists.items():
+            policy = FP32 if name == "fp32 if y < 0" else name
+            for prim in prims:
+                if policy in (LOWER, FP32) and prim not in NO_CASE:
+                    yield pytest.param(device, prim, policy, id=f"{device}-{prim.name}")
 
 
 @pytest.mark.parametrize("device, prim, policy", list(_table_rows()))
@@ -486,3 +542,22 @@ def test_a_helper_promotes_the_same_plain_or_jitted(device, policy):
     a = op(x.astype(dtype)) if stays_16_bit else op(x)
     np.testing.assert_allclose(np.asarray(results["plain"], np.float32),
                                np.asarray(h.astype(F32) + a.astype(F32), np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("name, want", [("cpu", "cpu"), ("gpu", "gpu"), ("cuda", "gpu"), ("rocm", "gpu"),
+                                        ("tpu", "tpu"), ("npu", None), ("GPU", None), (3, None)])
+def test_one_device_validator_for_context_config_and_tables(name, want):
+    """`autocast`, `config.backward_pass_autocast` and the policy tables accept the same
+    device names and reject the same ones."""
+    if want is None:
+        with pytest.raises(ValueError, match="device_type must be one of"):
+            aotgrad.autocast(name)
+        with pytest.raises(ValueError, match=r"\['device_type'\]: device_type must be one of"):
+            aotgrad.config.patch(backward_pass_autocast={"device_type": name})
+        with pytest.raises(ValueError, match="device_type must be one of"):
+            aotgrad.autocast_policy_table(name)
+        return
+    assert aotgrad.autocast(name).device_type == want
+    with aotgrad.config.patch(backward_pass_autocast={"device_type": name}):
+        assert dict(aotgrad.config.backward_pass_autocast[0])["device_type"] == want
+    assert aotgrad.autocast_policy_table(name) == aotgrad.autocast_policy_table(want)
