@@ -447,9 +447,19 @@ def test_control_flow_keeps_declared_carry_and_branch_dtypes():
     assert all(s == {np.dtype(BF16)} for s in float_in_dtypes(closed, P.dot_general_p))
     for prim in (P.scan_p, P.while_p, P.cond_p):
         (e,) = [e for e in closed.jaxpr.eqns if e.primitive is prim]
+        # The loop carries and branch outputs keep their declared float32 ...
+        assert all(v.aval.dtype == F32 for v in e.outvars if jnp.issubdtype(v.aval.dtype, jnp.floating)), prim
+    (cond,) = [e for e in closed.jaxpr.eqns if e.primitive is P.cond_p]
+    for branch in cond.params["branches"]:
+        assert [v.aval.dtype for v in branch.jaxpr.outvars] == [F32]
+    # ... while the matmul branch computes in bfloat16 (then casts back), the other one in float32.
+    matmul_branch, = [b for b in cond.params["branches"] if float_in_dtypes(b, P.dot_general_p)]
+    assert float_in_dtypes(matmul_branch, P.dot_general_p) == [{np.dtype(BF16)}]
+    assert casts_to(matmul_branch, F32)
     np.testing.assert_allclose(c.astype(F32), f(x, w)[0], rtol=5e-2, atol=5e-2)
     grads = jax.grad(lambda w: g(x, w)[1].sum())(w)  # through scan/cond/checkpoint
-    assert grads.dtype == F32 and jnp.isfinite(grads).all()
+    assert grads.dtype == F32
+    np.testing.assert_allclose(grads, jax.grad(lambda w: f(x, w)[1].sum())(w), rtol=5e-2, atol=5e-2)
 
 
 def test_custom_jvp_and_custom_vjp_are_rewritten_and_keep_their_rules():

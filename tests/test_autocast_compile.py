@@ -66,10 +66,18 @@ def test_enabled_false_region_stays_out_of_autocast_in_its_backward():
             z = z + b  # its backward: the bias gradient's reduction
         return jnp.sum(jnp.exp(z))
 
-    pair, grads = _pair(region, _inputs(F16), "same_as_forward")
+    args = _inputs(F16)
+    pair, grads = _pair(region, args, "same_as_forward")
     assert all(s == F16_SET for s in float_in_dtypes(pair.split.backward, P.reduce_sum_p))
     assert all(s == F16_SET for s in float_in_dtypes(pair.split.forward, P.dot_general_p))
     assert [g.dtype for g in grads] == [F16] * 3
+    # The disabled region's backward is JAX's own (nothing autocast in it): as jax.vjp of
+    # the transformed function, and close to float32.
+    want = jax.grad(aotgrad.autocast("gpu")(region), argnums=(0, 1, 2))(*args)
+    exact = jax.grad(region, argnums=(0, 1, 2))(*[a.astype(F32) for a in args])
+    for g, w, e in zip(grads, want, exact):
+        np.testing.assert_allclose(g.astype(F32), w.astype(F32), rtol=5e-3, atol=5e-3 * float(jnp.abs(w).max()))
+        np.testing.assert_allclose(g.astype(F32), e, rtol=2e-2, atol=2e-2 * float(jnp.abs(e).max()))
 
 
 def test_off_equals_jax_grad_of_the_transformed_function():
@@ -221,10 +229,18 @@ def test_autocast_decorator_on_a_compiled_function_and_inner_contexts():
             z = x @ w
         return z, jnp.sum(jnp.exp(z + b))
 
+    def by_hand(x, w, b):  # the matmul in bfloat16; the rest promoted to float32
+        z = jnp.matmul(x.astype(BF16), w.astype(BF16), preferred_element_type=BF16)
+        return z, jnp.sum(jnp.exp(z + b))
+
     z, out = inner(*args)
+    want_z, want_out = by_hand(*args)
     assert z.dtype == BF16 and out.dtype == F32
+    np.testing.assert_array_equal(z, want_z)
+    np.testing.assert_allclose(out, want_out, rtol=1e-4)
     g = jax.grad(lambda *a: inner(*a)[1], argnums=1)(*args)
     assert g.dtype == F32
+    np.testing.assert_allclose(g, jax.grad(lambda *a: by_hand(*a)[1], argnums=1)(*args), rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- off vs same_as_forward
