@@ -14,29 +14,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-TINY_SUITE = """
-description = "smoke"
-repeats = 1
-min_sample_seconds = 0.0
-strategies = ["fused", "jax_fwd_and_bwd", "aotgrad:*", "aotgrad:min_cut@0.5", "aotgrad:not_a_partitioner"]
-
-[overhead]
-size = 4
-calls = 20
-repeats = 3
-
-[[workloads]]
-name = "tiny_mlp"
-kind = "mlp"
-sizes = { batch = 4, width = 8, depth = 2 }
-
-[[workloads]]
-name = "tiny_block"
-kind = "transformer_block"
-sizes = { batch = 2, seq = 8, d_model = 16, heads = 2 }
-"""
-
-
 # The command-line run: one workload, the fewest calls, so that it takes seconds even on a
 # busy machine (the subprocess starts JAX and compiles every strategy once).
 CLI_SUITE = """
@@ -54,6 +31,14 @@ repeats = 1
 name = "tiny_mlp"
 kind = "mlp"
 sizes = { batch = 4, width = 8, depth = 2 }
+"""
+
+
+TINY_SUITE = CLI_SUITE + """
+[[workloads]]
+name = "tiny_block"
+kind = "transformer_block"
+sizes = { batch = 2, seq = 8, d_model = 16, heads = 2 }
 """
 
 
