@@ -21,9 +21,10 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
-from aotgrad._jax_internals import bind_eqn, eqn_context, wrap_like
+from aotgrad._jax_internals import bind_eqn, eqn_context, name_scopes, wrap_like
 from aotgrad.autocast.context import _MARKERS, Setting, setting_of
 from aotgrad.autocast.policy import ACCUMULATE_FP32, ACCUMULATING, FP32, LOWER, POLICIES, PROMOTE, policy_for
+from aotgrad.interpret import CALL_BODIES, body_of, eval_jaxpr, sub_jaxprs
 
 __all__ = ["RESTORE", "CastCounts", "Rewriter", "has_markers", "rewrite_backward"]
 
@@ -86,14 +87,11 @@ class Rewriter:
                    default: Setting | None, constant_args: Sequence[bool] = ()) -> list[Any]:
         """Evaluates `jaxpr`; each equation runs under the setting its name stack records,
         else `default`. `constant_args`: which arguments are built from literals alone."""
-        env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts))
-        env.update(zip(jaxpr.invars, args))
         constant = constant_vars(jaxpr, constant_args)
-        for eqn in jaxpr.eqns:
-            flags = [isinstance(v, Literal) or v in constant for v in eqn.invars]
-            outs = self.eqn(eqn, [_read(env, v) for v in eqn.invars], setting_of(eqn, default), flags)
-            env.update((v, o) for v, o in zip(eqn.outvars, outs) if isinstance(v, Var))
-        return [_read(env, v) for v in jaxpr.outvars]
+
+        def bind(eqn: JaxprEqn, invals: list) -> list:
+            return self.eqn(eqn, invals, setting_of(eqn, default), _flags(eqn, constant))
+        return eval_jaxpr(jaxpr, consts, args, bind=bind)
 
     def eval_closed(self, closed: ClosedJaxpr, args: Sequence[Any], default: Setting | None) -> list[Any]:
         return self.eval_jaxpr(closed.jaxpr, closed.consts, args, default)
@@ -159,8 +157,9 @@ class Rewriter:
         return out
 
 
-def _read(env: dict, atom: Any) -> Any:
-    return atom.val if isinstance(atom, Literal) else env[atom]
+def _flags(eqn: JaxprEqn, constant: set[Var]) -> list[bool]:
+    """Which inputs of `eqn` are built from literals alone."""
+    return [isinstance(v, Literal) or v in constant for v in eqn.invars]
 
 
 def _aval_of(x: Any, atom: Any) -> Any:
@@ -177,9 +176,7 @@ def _accumulates_in_16_bits(eqn: JaxprEqn, vals: list[Any]) -> bool:
 
 
 def _has_body(eqn: JaxprEqn) -> bool:
-    def is_body(v: Any) -> bool:
-        return isinstance(v, (ClosedJaxpr, Jaxpr)) or (isinstance(v, (tuple, list)) and any(map(is_body, v)))
-    return any(is_body(v) for k, v in eqn.params.items() if k != "update_jaxpr")
+    return bool(sub_jaxprs(eqn, skip=frozenset({"update_jaxpr"})))  # a scatter's combiner is no body
 
 
 def _adjust_params(eqn: JaxprEqn, vals: list[Any], policy: str | None, setting: Setting | None) -> dict:
@@ -225,11 +222,8 @@ def _inline(param: str) -> Rule:
     """Calls (`jit`, `closed_call`): the body is evaluated in place, under the call's scopes."""
     def rule(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
              constant: Sequence[bool]) -> list:
-        body = eqn.params[param]
         with eqn_context(eqn):
-            if isinstance(body, ClosedJaxpr):
-                return rw.eval_jaxpr(body.jaxpr, body.consts, invals, setting, constant)
-            return rw.eval_jaxpr(body, (), invals, setting, constant)
+            return rw.eval_jaxpr(*body_of(eqn, param), invals, setting, constant)
     return rule
 
 
@@ -345,7 +339,7 @@ def _custom_vjp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | No
 
 # Calls whose body is evaluated in place: their outputs are constant as the body's are, so
 # a helper's values promote the same whether or not it is wrapped in `jax.jit`.
-_IN_PLACE = {P.jit_p: "jaxpr", P.closed_call_p: "call_jaxpr", P.call_p: "call_jaxpr", P.remat_p: "jaxpr"}
+_IN_PLACE = {**CALL_BODIES, P.remat_p: "jaxpr"}
 
 
 def constant_vars(jaxpr: Jaxpr, constant_args: Sequence[bool] = ()) -> set[Var]:
@@ -356,10 +350,9 @@ def constant_vars(jaxpr: Jaxpr, constant_args: Sequence[bool] = ()) -> set[Var]:
     for eqn in jaxpr.eqns:
         if eqn.effects:
             continue
-        flags = [isinstance(v, Literal) or v in constant for v in eqn.invars]
+        flags = _flags(eqn, constant)
         if eqn.primitive in _IN_PLACE:
-            body = eqn.params[_IN_PLACE[eqn.primitive]]
-            body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
+            body, _ = body_of(eqn, _IN_PLACE[eqn.primitive])
             inner = constant_vars(body, flags)
             outs = [isinstance(o, Literal) or o in inner for o in body.outvars]
         else:
@@ -369,7 +362,7 @@ def constant_vars(jaxpr: Jaxpr, constant_args: Sequence[bool] = ()) -> set[Var]:
 
 
 STRUCTURAL: dict[Any, Rule] = {
-    P.jit_p: _inline("jaxpr"), P.closed_call_p: _inline("call_jaxpr"), P.call_p: _inline("call_jaxpr"),
+    **{prim: _inline(param) for prim, param in CALL_BODIES.items()},
     P.remat_p: _remat, P.scan_p: _scan, P.while_p: _while, P.cond_p: _cond,
     P.custom_jvp_call_p: _custom_jvp, P.custom_vjp_call_p: _custom_vjp,
 }
@@ -379,15 +372,9 @@ STRUCTURAL: dict[Any, Rule] = {
 
 def has_markers(jaxpr: Jaxpr) -> bool:
     """Whether any equation (also in bodies) was traced inside an autocast context."""
-    from aotgrad._jax_internals import name_scopes
     for eqn in jaxpr.eqns:
-        if any(s in _MARKERS for s in name_scopes(eqn)):
+        if any(s in _MARKERS for s in name_scopes(eqn)) or any(map(has_markers, sub_jaxprs(eqn))):
             return True
-        for v in eqn.params.values():
-            for body in (v if isinstance(v, (tuple, list)) else (v,)):
-                inner = body.jaxpr if isinstance(body, ClosedJaxpr) else body
-                if isinstance(inner, Jaxpr) and has_markers(inner):
-                    return True
     return False
 
 
@@ -407,22 +394,19 @@ def rewrite_backward(program: ClosedJaxpr, n_cotangents: int,
     cotangents) keep their declared dtypes."""
     rw = Rewriter()
     jaxpr = program.jaxpr
+    constant = constant_vars(jaxpr)
 
     def run(*args: Any) -> list:
-        env: dict[Var, Any] = dict(zip(jaxpr.constvars, program.consts))
-        env.update(zip(jaxpr.invars, args))
         backward = set(jaxpr.invars[len(jaxpr.invars) - n_cotangents:])
-        constant = constant_vars(jaxpr)
-        for eqn in jaxpr.eqns:
-            invals = [_read(env, v) for v in eqn.invars]
-            if any(isinstance(v, Var) and v in backward for v in eqn.invars):
-                flags = [isinstance(v, Literal) or v in constant for v in eqn.invars]
-                outs = rw.eqn(eqn, invals, choose(eqn), flags)
-                backward.update(v for v in eqn.outvars if isinstance(v, Var))
-            else:
-                outs = bind_eqn(eqn, invals)
-            env.update((v, o) for v, o in zip(eqn.outvars, outs) if isinstance(v, Var))
-        return [rw.restore(_read(env, v), v.aval.dtype) for v in jaxpr.outvars]
+
+        def bind(eqn: JaxprEqn, invals: list) -> list:
+            if not any(isinstance(v, Var) and v in backward for v in eqn.invars):
+                return bind_eqn(eqn, invals)
+            backward.update(v for v in eqn.outvars if isinstance(v, Var))
+            return rw.eqn(eqn, invals, choose(eqn), _flags(eqn, constant))
+
+        outs = eval_jaxpr(jaxpr, program.consts, args, bind=bind)
+        return [rw.restore(o, v.aval.dtype) for o, v in zip(outs, jaxpr.outvars)]
 
     new = jax.make_jaxpr(run)(*[v.aval for v in jaxpr.invars])
     return new, ordered(rw.counts)

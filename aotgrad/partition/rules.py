@@ -35,9 +35,10 @@ import enum
 from typing import Any
 
 import jax.extend.core.primitives as P
-from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive
+from jax.extend.core import Primitive
 
 from aotgrad._jax_internals import primitives as I
+from aotgrad.interpret import sub_jaxprs
 
 __all__ = ["FLOAT_EQUALITY", "Kind", "RULES", "kind_of", "register", "sub_jaxprs"]
 
@@ -141,15 +142,3 @@ def kind_of(eqn: Any) -> Kind:
     if kind is Kind.COSTLY and any(kind_of(e) is Kind.UNSAFE for j in sub_jaxprs(eqn) for e in j.eqns):
         return Kind.UNSAFE
     return kind
-
-
-def sub_jaxprs(eqn: Any) -> list[Jaxpr]:
-    """The jaxprs in an equation's parameters (bodies of scan, cond branches, ...)."""
-    found: list[Jaxpr] = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, Jaxpr):
-                found.append(item)
-    return found
