@@ -18,11 +18,12 @@ from jax.sharding import SingleDeviceSharding
 from jax.tree_util import tree_leaves, tree_unflatten
 
 from aotgrad import anomaly
+from aotgrad.autocast.backward import autocast_backward
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.config import Snapshot, config
 from aotgrad.partition import JointGraph, Split, partition
 from aotgrad.signature import ArrayImpl
-from aotgrad.trace import ForwardTrace, autocast_backward, differentiable, trace_joint
+from aotgrad.trace import ForwardTrace, differentiable, trace_joint
 
 __all__ = ["Entry", "ProgramPair", "Saved", "Timings"]
 
