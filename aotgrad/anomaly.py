@@ -143,9 +143,9 @@ def _input_origin(pair: "ProgramPair", jaxpr: Any, needed: set, in_codes: np.nda
             return (f"It was already in saved value #{k} ({what}), computed by the forward for the "
                     f"derivative of the forward operation {ops} at {line} (saved from `{eqn.primitive.name}`).")
         if k < n_act + n_saved_in:
-            return (f"It was already in the input #{pair.split.saved_inputs[k - n_act]} "
-                    f"read by the backward holds {what}.")
-        return f"It was already in output cotangent #{k - n_act - n_saved_in} holds {what}."
+            return (f"It was already in input #{pair.split.saved_inputs[k - n_act]}, which the backward "
+                    f"reads: that input holds {what}.")
+        return f"It was already in output cotangent #{k - n_act - n_saved_in}: that cotangent holds {what}."
     return "No single equation could be named."
 
 

@@ -183,6 +183,7 @@ class Saved:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the saved arrays (activations and saved inputs)."""
         return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in self.arrays)
 
     def __len__(self) -> int:

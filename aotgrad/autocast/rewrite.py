@@ -46,6 +46,7 @@ class CastCounts:
 
     @property
     def total(self) -> int:
+        """All casts, forward and backward."""
         return sum(n for _, n in self.forward) + sum(n for _, n in self.backward)
 
     def __str__(self) -> str:
