@@ -10,6 +10,7 @@
     with aotgrad.autocast("gpu", dtype=jnp.bfloat16):   # per-op mixed precision
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
 """
+from aotgrad import partition as partition
 from aotgrad.api import AOTFunction as AOTFunction
 from aotgrad.api import CacheInfo as CacheInfo
 from aotgrad.api import Compiled as Compiled
@@ -31,5 +32,9 @@ from aotgrad.report import SavedValue as SavedValue
 from aotgrad.report import explain as explain
 from aotgrad.runtime import Saved as Saved
 from aotgrad.runtime import Timings as Timings
+
+__all__ = ["AOTFunction", "CacheInfo", "CastCounts", "Compiled", "ConfigError", "DynamicLossScale", "Lowered",
+           "Memory", "Report", "Saved", "SavedValue", "Timings", "all_finite", "autocast", "autocast_policy_table",
+           "compile", "config", "explain", "fwd_and_bwd", "partition", "register_autocast_policy", "select_tree"]
 
 __version__ = "0.1.0"

@@ -7,7 +7,9 @@
   its module, since making an array to ask its type would start the backend at import,
   before a multi-host program can call `jax.distributed.initialize`);
 - name-stack scopes of equations (autocast markers) and wrapping functions as the
-  params of `custom_jvp_call` / `custom_vjp_call` expect (to rewrite their rules).
+  params of `custom_jvp_call` / `custom_vjp_call` expect (to rewrite their rules);
+- the primitives that `jax.extend.core.primitives` does not export (collectives,
+  callbacks, key wrapping), which the partitioner's rule table names (`primitives`).
 """
 from __future__ import annotations
 
@@ -15,11 +17,29 @@ import contextlib
 import os
 from typing import Any, Callable, Iterator, Sequence
 
-from jax._src import linear_util, source_info_util, traceback_util
-from jax._src.array import ArrayImpl
-from jax._src.core import Tracer
+import types
 
-__all__ = ["ArrayImpl", "Tracer", "bind_eqn", "eqn_context", "name_scopes", "source_line", "wrap_like"]
+from jax._src import callback, debugging, ffi, linear_util, shard_map, source_info_util, traceback_util
+from jax._src.array import ArrayImpl
+from jax._src.core import Tracer, pvary_p
+from jax._src.lax import lax as _lax
+from jax._src.lax import linalg, parallel
+from jax._src.random import prng
+
+__all__ = ["ArrayImpl", "Tracer", "bind_eqn", "eqn_context", "name_scopes", "primitives", "source_line",
+           "wrap_like"]
+
+# Primitives missing from `jax.extend.core.primitives`, by their public names' spelling.
+primitives = types.SimpleNamespace(
+    pvary_p=pvary_p, split_p=_lax.split_p, geqrf_p=linalg.geqrf_p,
+    lu_pivots_to_permutation_p=linalg.lu_pivots_to_permutation_p,
+    pbroadcast_p=parallel.pbroadcast_p, reduce_scatter_p=parallel.reduce_scatter_p,
+    psum_invariant_p=parallel.psum_invariant_p, all_gather_invariant_p=parallel.all_gather_invariant_p,
+    shard_map_p=shard_map.shard_map_p, ffi_call_p=ffi.ffi_call_p,
+    pure_callback_p=callback.pure_callback_p, io_callback_p=callback.io_callback_p,
+    debug_callback_p=debugging.debug_callback_p,
+    random_wrap_p=prng.random_wrap_p, random_unwrap_p=prng.random_unwrap_p,
+)
 
 traceback_util.register_exclusion(os.path.dirname(__file__))
 

@@ -23,7 +23,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Var
 
 from aotgrad._jax_internals import Tracer, source_line
-from aotgrad.interpret import eval_eqns, read
+from aotgrad.interpret import eval_jaxpr
 
 if TYPE_CHECKING:
     from aotgrad.runtime import ProgramPair
@@ -51,13 +51,12 @@ def checked(backward: ClosedJaxpr) -> Callable[..., list[Any]]:
     jaxpr = backward.jaxpr
 
     def run(*args: Any) -> list[Any]:
-        env = dict(zip(jaxpr.constvars, backward.consts))
-        env.update(zip(jaxpr.invars, args))
         codes = [_code(a) for a in args]
-        for eqn in jaxpr.eqns:
-            eval_eqns([eqn], env)
-            codes.append(_worst([env[v] for v in eqn.outvars if isinstance(v, Var)]))
-        grads = [read(env, v) for v in jaxpr.outvars]
+
+        def record(eqn: Any, invals: list, outvals: list) -> None:
+            codes.append(_worst([o for v, o in zip(eqn.outvars, outvals) if isinstance(v, Var)]))
+
+        grads = eval_jaxpr(jaxpr, backward.consts, args, on_eqn=record)
         codes.extend(_code(g) for g in grads)
         return [*grads, jnp.stack(codes)]
 
@@ -144,9 +143,9 @@ def _input_origin(pair: "ProgramPair", jaxpr: Any, needed: set, in_codes: np.nda
             return (f"It was already in saved value #{k} ({what}), computed by the forward for the "
                     f"derivative of the forward operation {ops} at {line} (saved from `{eqn.primitive.name}`).")
         if k < n_act + n_saved_in:
-            return (f"It was already in the input #{pair.split.saved_inputs[k - n_act]} "
-                    f"read by the backward holds {what}.")
-        return f"It was already in output cotangent #{k - n_act - n_saved_in} holds {what}."
+            return (f"It was already in input #{pair.split.saved_inputs[k - n_act]}, which the backward "
+                    f"reads: that input holds {what}.")
+        return f"It was already in output cotangent #{k - n_act - n_saved_in}: that cotangent holds {what}."
     return "No single equation could be named."
 
 

@@ -159,12 +159,21 @@ class AOTFunction:
         lowered_f, lowered_b, timings = pair.lower(call.inputs)
         return Lowered(self.name, pair, lowered_f, lowered_b, timings)
 
+    def resolved(self, args: tuple, kwargs: dict) -> tuple[_Call, list[str]]:
+        """For `aotgrad.explain`: the cache entry and flat inputs of a call (built on a
+        miss), and the pytree path of each argument leaf."""
+        from aotgrad.signature import leaf_paths
+        call = self._resolve(args, kwargs)
+        return call, leaf_paths(self._spec, call.entry.in_tree)
+
     def cache_info(self) -> CacheInfo:
+        """Entries (call signatures), program pairs, hits and misses of this function's cache."""
         with self._lock:
             pairs = sum(len(e.pairs) for e in self._cache.values())
             return CacheInfo(len(self._cache), pairs, self._hits, self._misses)
 
     def clear_cache(self) -> None:
+        """Drops every compiled entry of this function; the next call traces again."""
         with self._lock:
             self._cache.clear()
             self._last_key = None
@@ -218,6 +227,7 @@ class Lowered(_Stages):
     """Both programs lowered to StableHLO; `.compile()` compiles them."""
 
     def compile(self) -> "Compiled":
+        """Compiles both lowered programs with XLA (timed in `Compiled.timings`)."""
         t0 = time.perf_counter()
         f, b = self.forward.compile(), self.backward.compile()
         timings = dataclasses.replace(self.timings, compile=time.perf_counter() - t0)
@@ -230,9 +240,11 @@ class Compiled(_Stages):
     `memory_analysis()` and `cost_analysis()`."""
 
     def memory_analysis(self) -> dict[str, Any]:
+        """XLA's memory analysis of the forward and the backward program, by name."""
         return {"forward": self.forward.memory_analysis(), "backward": self.backward.memory_analysis()}
 
     def cost_analysis(self) -> dict[str, Any]:
+        """XLA's cost analysis (FLOPs, bytes accessed) of the forward and the backward program."""
         return {"forward": self.forward.cost_analysis(), "backward": self.backward.cost_analysis()}
 
 

@@ -91,8 +91,6 @@ def _optional_path(name: str) -> Callable[[Any], str | None]:
 
 
 AUTOCAST_KEYS = ("device_type", "dtype", "enabled")
-AUTOCAST_DEVICES = ("cpu", "gpu", "cuda", "tpu")
-AUTOCAST_DTYPES = ("float16", "bfloat16")
 
 
 def _autocast_kwargs(value: Any, where: str) -> tuple[tuple[str, Any], ...]:
@@ -103,20 +101,13 @@ def _autocast_kwargs(value: Any, where: str) -> tuple[tuple[str, Any], ...]:
     if unknown:
         raise ConfigError(f"{where} has unknown keys {unknown}; valid keys are {list(AUTOCAST_KEYS)}.")
     out: dict[str, Any] = {}
-    device = value.get("device_type")
-    if device is not None and device not in AUTOCAST_DEVICES:
-        raise ConfigError(f"{where}['device_type'] must be one of {list(AUTOCAST_DEVICES)} or None; got {device!r}.")
-    out["device_type"] = "gpu" if device == "cuda" else device
-    dtype = value.get("dtype")
-    if dtype is not None:
-        try:
-            name = np.dtype(dtype).name
-        except TypeError:
-            name = repr(dtype)
-        if name not in AUTOCAST_DTYPES:
-            raise ConfigError(f"{where}['dtype'] must be one of {list(AUTOCAST_DTYPES)} or None; got {dtype!r}.")
-        dtype = name
-    out["dtype"] = dtype
+    from aotgrad.autocast.context import parse_device_type, parse_dtype  # the one autocast validator
+    try:
+        device = value.get("device_type")
+        out["device_type"] = None if device is None else parse_device_type(device, f"{where}['device_type']")
+        out["dtype"] = parse_dtype(value.get("dtype"), f"{where}['dtype']")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     enabled = value.get("enabled", True)
     if not isinstance(enabled, (bool, np.bool_)):
         raise ConfigError(f"{where}['enabled'] must be True or False; got {enabled!r}.")

@@ -1,65 +1,87 @@
 """Evaluating jaxpr equations by re-binding them, the way new programs are built.
 
 aotgrad never assembles `Jaxpr` objects by hand: it selects equations and re-traces
-them (`jax.make_jaxpr` / `jax.jit`), so every type stays exact across JAX versions.
+them (`jax.make_jaxpr` / `jax.jit`), so every type stays exact across JAX versions. One
+evaluator serves every such re-trace: the inlined joint graph, the programs `split`
+emits, the checked backward of anomaly mode, and the autocast rewrite.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+import jax.extend.core.primitives as P
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
-from aotgrad._jax_internals import bind_eqn as bind
+from aotgrad._jax_internals import bind_eqn
 
-__all__ = ["Env", "INLINE_RULES", "eval_eqns", "eval_jaxpr", "read"]
+__all__ = ["CALL_BODIES", "INLINE_RULES", "Rule", "body_of", "eval_jaxpr", "read", "sub_jaxprs"]
 
-Env = dict  # Var -> value
+Rule = Callable[[JaxprEqn, list], list]  # (equation, input values) -> output values
 
 
-def read(env: Env, atom: Any) -> Any:
+def read(env: dict, atom: Any) -> Any:
     return atom.val if isinstance(atom, Literal) else env[atom]
 
 
-def eval_eqns(eqns: Iterable[JaxprEqn], env: Env,
-              rules: dict[Any, Callable[[JaxprEqn, list], list]] | None = None) -> Env:
-    """Evaluates `eqns` in order, reading and writing `env`. `rules` maps a primitive to a
-    function `(eqn, invals) -> outvals` that replaces binding it (e.g. inlining calls)."""
+def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+               rules: Mapping[Any, Rule] | None = None,
+               on_eqn: Callable[[JaxprEqn, list, list], None] | None = None, *,
+               bind: Rule = bind_eqn, invars: Sequence[Var] | None = None,
+               eqns: Sequence[JaxprEqn] | None = None, outvars: Sequence[Any] | None = None) -> list[Any]:
+    """Evaluates `jaxpr` on `args` by re-binding its equations; returns its outputs.
+
+    Arguments:
+        jaxpr, consts, args: the jaxpr, values of its constvars, values of its invars.
+        rules: primitive -> `Rule` replacing `bind` for that primitive (e.g. inlining calls).
+        on_eqn: called after each equation with (equation, input values, output values).
+        bind: how an equation with no rule is evaluated (default: re-bound as it is).
+        invars, eqns, outvars: evaluate a selection instead (`args` are the values of
+            `invars`; `eqns` in order; the values of `outvars` returned), as `split` does.
+    """
+    env: dict = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars if invars is None else invars, args))
     rules = rules or {}
-    for eqn in eqns:
+    for eqn in jaxpr.eqns if eqns is None else eqns:
         invals = [read(env, v) for v in eqn.invars]
-        rule = rules.get(eqn.primitive)
-        outvals = rule(eqn, invals) if rule else bind(eqn, invals)
+        outvals = rules.get(eqn.primitive, bind)(eqn, invals)
         for v, val in zip(eqn.outvars, outvals):
             if isinstance(v, Var):  # DropVar results are discarded
                 env[v] = val
-    return env
+        if on_eqn is not None:
+            on_eqn(eqn, invals, outvals)
+    return [read(env, v) for v in (jaxpr.outvars if outvars is None else outvars)]
 
 
-def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
-               rules: dict[Any, Callable[[JaxprEqn, list], list]] | None = None) -> list[Any]:
-    env: Env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    eval_eqns(jaxpr.eqns, env, rules)
-    return [read(env, v) for v in jaxpr.outvars]
+def sub_jaxprs(eqn: Any, skip: frozenset[str] = frozenset()) -> list[Jaxpr]:
+    """The jaxprs in an equation's parameters (bodies of calls, scan, cond branches, ...),
+    found by type whatever the primitive; parameters named in `skip` are left out."""
+    found: list[Jaxpr] = []
+    for name, value in eqn.params.items():
+        if name in skip:
+            continue
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, Jaxpr):
+                found.append(item)
+    return found
+
+
+# Calls whose body can be evaluated in place: the parameter holding the body.
+CALL_BODIES: dict[Any, str] = {P.jit_p: "jaxpr", P.closed_call_p: "call_jaxpr", P.call_p: "call_jaxpr"}
+
+
+def body_of(eqn: JaxprEqn, param: str) -> tuple[Jaxpr, Sequence[Any]]:
+    """The body jaxpr held in `eqn.params[param]`, and its consts."""
+    body = eqn.params[param]
+    return (body.jaxpr, body.consts) if isinstance(body, ClosedJaxpr) else (body, ())
 
 
 # Calls whose bodies are evaluated in place, so the partitioner sees every primitive.
-def _inline_closed(param: str) -> Callable[[JaxprEqn, list], list]:
+def _inline(param: str) -> Rule:
     def rule(eqn: JaxprEqn, invals: list) -> list:
-        body = eqn.params[param]
-        if isinstance(body, ClosedJaxpr):
-            return eval_jaxpr(body.jaxpr, body.consts, invals, INLINE_RULES)
-        return eval_jaxpr(body, (), invals, INLINE_RULES)
+        return eval_jaxpr(*body_of(eqn, param), invals, INLINE_RULES)
     return rule
 
 
-def _inline_rules() -> dict[Any, Callable[[JaxprEqn, list], list]]:
-    import jax.extend.core.primitives as prims
-    rules = {}
-    for prim, param in ((prims.jit_p, "jaxpr"), (prims.closed_call_p, "call_jaxpr"),
-                        (prims.call_p, "call_jaxpr")):
-        rules[prim] = _inline_closed(param)
-    return rules
-
-
-INLINE_RULES = _inline_rules()
+INLINE_RULES: dict[Any, Rule] = {prim: _inline(param) for prim, param in CALL_BODIES.items()}

@@ -11,7 +11,6 @@ from aotgrad.api import AOTFunction, Lowered, argnum_positions
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.partition.costs import nbytes as _nbytes
 from aotgrad.runtime import ProgramPair, Timings
-from aotgrad.signature import leaf_paths
 
 __all__ = ["Memory", "Report", "SavedValue", "explain"]
 
@@ -39,6 +38,7 @@ class Memory:
 
     @property
     def peak(self) -> int | None:
+        """The larger of the two programs' peaks (None where neither is reported)."""
         known = [p for p in (self.forward_peak, self.backward_peak) if p is not None]
         return max(known) if known else None
 
@@ -118,20 +118,20 @@ def explain(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None
             `aotgrad.fwd_and_bwd`); by default every floating-point input.
     """
     f = fn if isinstance(fn, AOTFunction) else AOTFunction(fn)
-    call = f._resolve(args, kwargs)
+    call, paths = f.resolved(args, kwargs)
     positions = None
     if argnums is not None:
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
         positions = argnum_positions(f"aotgrad.explain({f.name})", nums, len(args))
     pair = call.entry.pair(call.entry.perturbed_for(positions), call.entry.default_has_ct())
     compiled = Lowered(f.name, pair, *pair.lower(call.inputs)).compile()
-    return _report(f, call, pair, compiled.timings, Memory.of(compiled))
+    return _report(f, call, paths, pair, compiled.timings, Memory.of(compiled))
 
 
-def _report(f: AOTFunction, call: Any, pair: ProgramPair, timings: Timings, memory: "Memory") -> Report:
+def _report(f: AOTFunction, call: Any, paths: list[str], pair: ProgramPair, timings: Timings,
+            memory: "Memory") -> Report:
     sp = pair.split
     n_consts = len(call.entry.fwd.consts)
-    paths = leaf_paths(f._spec, call.entry.in_tree)
     saved = []
     for v, eqn, why in zip(sp.activations, sp.producers, sp.reasons):
         saved.append(SavedValue(tuple(v.aval.shape), _dtype_name(v.aval.dtype), _nbytes(v.aval),

@@ -18,11 +18,12 @@ from jax.sharding import SingleDeviceSharding
 from jax.tree_util import tree_leaves, tree_unflatten
 
 from aotgrad import anomaly
+from aotgrad.autocast.backward import autocast_backward
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.config import Snapshot, config
 from aotgrad.partition import JointGraph, Split, partition, scan_rules
 from aotgrad.signature import ArrayImpl
-from aotgrad.trace import ForwardTrace, autocast_backward, differentiable, trace_joint
+from aotgrad.trace import ForwardTrace, differentiable, trace_joint
 
 __all__ = ["Entry", "ProgramPair", "Saved", "Timings"]
 
@@ -183,6 +184,7 @@ class Saved:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the saved arrays (activations and saved inputs)."""
         return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in self.arrays)
 
     def __len__(self) -> int:

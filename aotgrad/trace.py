@@ -1,6 +1,6 @@
 """How the graph is traced: the forward function once per signature (rewritten under the
 autocast setting in force), then the joint graph (forward and VJP together) once per
-choice of differentiated inputs, and the backward program's autocast rewrite."""
+choice of differentiated inputs."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,13 +11,13 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr
 from jax.tree_util import tree_flatten
 
-from aotgrad.autocast.context import Setting, setting_from_kwargs, setting_of
-from aotgrad.autocast.rewrite import CastCounts, has_markers, rewrite_backward, rewrite_closed
+from aotgrad.autocast.context import Setting
+from aotgrad.autocast.rewrite import has_markers, rewrite_closed
 from aotgrad.interpret import INLINE_RULES, eval_jaxpr
-from aotgrad.partition import JointGraph, Split
+from aotgrad.partition import JointGraph
 from aotgrad.signature import check_output_leaves
 
-__all__ = ["ForwardTrace", "autocast_backward", "differentiable", "trace_forward", "trace_joint"]
+__all__ = ["ForwardTrace", "differentiable", "trace_forward", "trace_joint"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -109,28 +109,3 @@ def _zero_cotangent(aval: Any) -> Any:
     if differentiable(aval):
         return jax.numpy.zeros(aval.shape, aval.dtype)
     return np.zeros(aval.shape, jax.dtypes.float0)
-
-
-def autocast_backward(split: Split, graph: JointGraph, fwd: ForwardTrace,
-                      mode: Any) -> tuple[Split, CastCounts]:
-    """The split with its backward program rewritten under `config.backward_pass_autocast`
-    (`mode`): "off" leaves it as traced (its dtypes follow the forward's casts);
-    "same_as_forward" rewrites each cotangent-dependent equation under the setting its
-    forward equation ran under (its autocast marker, else the forward's setting); nested
-    contexts (a tuple of keyword tuples) rewrite all of them under one setting.
-
-    Only the backward program changes: the partitioner chose the saved set on the joint
-    graph, so the forward program is the same in every mode, and forward values the
-    backward recomputes are re-bound unchanged: the forward's own equations.
-    """
-    if mode == "off":
-        return split, CastCounts(fwd.casts)
-    if mode == "same_as_forward":
-        if fwd.autocast is None and not has_markers(split.backward.jaxpr):
-            return split, CastCounts(fwd.casts)
-        choose = lambda eqn: setting_of(eqn, fwd.autocast)  # noqa: E731
-    else:
-        fixed = setting_from_kwargs(mode)
-        choose = lambda eqn: fixed  # noqa: E731
-    backward, casts = rewrite_backward(split.backward, len(graph.cotangents), choose)
-    return dataclasses.replace(split, backward=backward), CastCounts(fwd.casts, casts)

@@ -84,6 +84,24 @@ def _scatter_add(x: Any, idx: tuple[int, ...]) -> Any:
     return x.at[rows].add(jnp.sin(x[rows]))
 
 
+@jax.custom_vjp
+def _matmul_rule(x: Any, y: Any) -> Any:
+    return x @ y.T
+
+
+def _matmul_rule_fwd(x: Any, y: Any) -> tuple[Any, Any]:
+    return x @ y.T, (x, y)
+
+
+def _matmul_rule_bwd(res: Any, g: Any) -> tuple[Any, Any]:
+    """Its own matmuls of the cotangent: what `backward_pass_autocast` decides the type of."""
+    x, y = res
+    return g @ y, g.T @ x
+
+
+_matmul_rule.defvjp(_matmul_rule_fwd, _matmul_rule_bwd)
+
+
 def _indices(s: Shape) -> Any:
     return st.lists(st.integers(0, s[0] - 1), min_size=1, max_size=4).map(tuple)
 
@@ -127,6 +145,8 @@ OPS: dict[str, Op] = {
     # matmuls
     "matmul_nt": Op(2, lambda a, b, p: (a[0], b[0]) if a[1] == b[1] else None, lambda x, y, p: x @ y.T),
     "matmul_tn": Op(2, lambda a, b, p: (a[1], b[1]) if a[0] == b[0] else None, lambda x, y, p: x.T @ y),
+    "matmul_rule": Op(2, lambda a, b, p: (a[0], b[0]) if a[1] == b[1] else None,
+                      lambda x, y, p: _matmul_rule(x, y)),  # a custom_vjp with its own matmul backward
     "rowdot": Op(2, lambda a, b, p: (a[0], 1) if a == b else None,
                  lambda x, y, p: jnp.einsum("ij,ij->i", x, y)[:, None]),
     # shapes
@@ -183,22 +203,66 @@ class Program:
                 f"outputs={self.outputs}, dtype={self.dtype!r})")
 
 
-MATMULS = ("matmul_nt", "matmul_tn", "rowdot")
+MATMULS = ("matmul_nt", "matmul_tn", "matmul_rule", "rowdot")
+
+
+# ----------------------------------------------------------------------------- a hand-written oracle
+# For a subset of the ops, the mixed-precision program written out with explicit casts: what
+# each op computes under autocast(device_type, dtype), from the policy tables as documented
+# (docs/autocast.md), not from aotgrad's rewrite. Binary ops rely on JAX's own promotion
+# (the join of the types), `jnp.sum` keeps its input's type and accumulates in float32.
+
+def _lower(x: Any, y: Any, dtype: Any, transpose_first: bool) -> Any:
+    a, b = (x.T, y) if transpose_first else (x, y.T)
+    return jnp.matmul(a.astype(dtype), b.astype(dtype), preferred_element_type=dtype)
+
+
+def _fp32_on_gpu(f: Callable[[Any], Any]) -> Callable[[Any, str], Any]:
+    """An op on the gpu table's fp32 list and on no cpu list."""
+    return lambda x, device: f(x.astype(jnp.float32)) if device == "gpu" else f(x)
+
+
+_EXP, _LOG1P = _fp32_on_gpu(jnp.exp), _fp32_on_gpu(jnp.log1p)
+HAND_WRITTEN: dict[str, Callable[..., Any]] = {
+    # (operands..., param, device, dtype) -> result
+    "matmul_nt": lambda x, y, p, device, dtype: _lower(x, y, dtype, False),
+    "matmul_tn": lambda x, y, p, device, dtype: _lower(x, y, dtype, True),
+    "sin": lambda x, p, device, dtype: jnp.sin(x),
+    "tanh": lambda x, p, device, dtype: jnp.tanh(x),
+    "exp_bounded": lambda x, p, device, dtype: _EXP(jnp.tanh(x), device),
+    "log1p_square": lambda x, p, device, dtype: _LOG1P(x * x, device),
+    "add": lambda x, y, p, device, dtype: x + y,
+    "sub": lambda x, y, p, device, dtype: x - y,
+    "mul": lambda x, y, p, device, dtype: x * y,
+    "sum": lambda x, axis, device, dtype: jnp.sum(x, axis=axis, keepdims=True),
+    "transpose": lambda x, p, device, dtype: x.T,
+}
+
+
+def hand_written(program: "Program", device: str, dtype: str) -> Callable[..., Any]:
+    """`program` under `autocast(device, dtype)`, from `HAND_WRITTEN` (its ops only)."""
+    def run(*inputs: Any) -> Any:
+        values = list(inputs)
+        for s in program.steps:
+            values.append(HAND_WRITTEN[s.op](*[values[i] for i in s.args], s.param, device, jnp.dtype(dtype)))
+        outs = tuple(values[i] for i in program.outputs)
+        return outs[0] if len(outs) == 1 else outs
+    return run
 
 
 @st.composite
 def programs(draw: Any, max_steps: int = 6, dtypes: tuple[str, ...] = ("float32",),
-             first_ops: tuple[str, ...] = (), chain: bool = False) -> Program:
+             first_ops: tuple[str, ...] = (), chain: bool = False, ops: tuple[str, ...] = ()) -> Program:
     """Random well-shaped programs: 1-3 inputs of shape (1..4, 1..4), 1..max_steps steps.
     `first_ops`: the ops the first step is drawn from (default: all). `chain`: a step reads
     the latest value first three times in four (else any value), so that what the first
-    step computes flows through the later ones."""
+    step computes flows through the later ones. `ops`: the ops drawn from (default: all)."""
     dims = st.integers(1, 4)
     shapes: list[Shape] = [draw(st.tuples(dims, dims)) for _ in range(draw(st.integers(1, 3)))]
     n_inputs = len(shapes)
     steps = []
     for _ in range(draw(st.integers(1, max_steps))):
-        name = draw(st.sampled_from(sorted(first_ops if first_ops and not steps else OPS)))
+        name = draw(st.sampled_from(sorted(first_ops if first_ops and not steps else ops or OPS)))
         op = OPS[name]
         latest = chain and draw(st.integers(0, 3)) > 0
         first = len(shapes) - 1 if latest else draw(st.integers(0, len(shapes) - 1))

@@ -66,10 +66,18 @@ def test_enabled_false_region_stays_out_of_autocast_in_its_backward():
             z = z + b  # its backward: the bias gradient's reduction
         return jnp.sum(jnp.exp(z))
 
-    pair, grads = _pair(region, _inputs(F16), "same_as_forward")
+    args = _inputs(F16)
+    pair, grads = _pair(region, args, "same_as_forward")
     assert all(s == F16_SET for s in float_in_dtypes(pair.split.backward, P.reduce_sum_p))
     assert all(s == F16_SET for s in float_in_dtypes(pair.split.forward, P.dot_general_p))
     assert [g.dtype for g in grads] == [F16] * 3
+    # The disabled region's backward is JAX's own (nothing autocast in it): as jax.vjp of
+    # the transformed function, and close to float32.
+    want = jax.grad(aotgrad.autocast("gpu")(region), argnums=(0, 1, 2))(*args)
+    exact = jax.grad(region, argnums=(0, 1, 2))(*[a.astype(F32) for a in args])
+    for g, w, e in zip(grads, want, exact):
+        np.testing.assert_allclose(g.astype(F32), w.astype(F32), rtol=5e-3, atol=5e-3 * float(jnp.abs(w).max()))
+        np.testing.assert_allclose(g.astype(F32), e, rtol=2e-2, atol=2e-2 * float(jnp.abs(e).max()))
 
 
 def test_off_equals_jax_grad_of_the_transformed_function():
@@ -221,7 +229,98 @@ def test_autocast_decorator_on_a_compiled_function_and_inner_contexts():
             z = x @ w
         return z, jnp.sum(jnp.exp(z + b))
 
+    def by_hand(x, w, b):  # the matmul in bfloat16; the rest promoted to float32
+        z = jnp.matmul(x.astype(BF16), w.astype(BF16), preferred_element_type=BF16)
+        return z, jnp.sum(jnp.exp(z + b))
+
     z, out = inner(*args)
+    want_z, want_out = by_hand(*args)
     assert z.dtype == BF16 and out.dtype == F32
+    np.testing.assert_array_equal(z, want_z)
+    np.testing.assert_allclose(out, want_out, rtol=1e-4)
     g = jax.grad(lambda *a: inner(*a)[1], argnums=1)(*args)
     assert g.dtype == F32
+    np.testing.assert_allclose(g, jax.grad(lambda *a: by_hand(*a)[1], argnums=1)(*args), rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- off vs same_as_forward
+
+@jax.custom_vjp
+def _proj(x, m):
+    return x @ m
+
+
+def _proj_fwd(x, m):
+    return x @ m, (x, m)
+
+
+def _proj_bwd(res, g):  # a backward with matmuls of the cotangent
+    x, m = res
+    return g @ m.T, x.T @ g
+
+
+_proj.defvjp(_proj_fwd, _proj_bwd)
+
+
+def _proj_loss(x, m, c):
+    return jnp.sum(jnp.tanh(_proj(x, m)) * c)
+
+
+def _proj_grads_by_hand(x, m, c, backward_dtype):
+    """The gradients written out: the forward's matmul in bfloat16 (cpu table), the user's
+    backward matmuls in `backward_dtype` (float32: JAX's vjp of the autocast forward, which
+    is what "off" must give; bfloat16: the backward autocast as the forward, "same_as_forward")."""
+    def mm(a, b, dtype):  # a matmul in `dtype`, its result in `dtype` (as autocast specifies)
+        return jnp.matmul(a.astype(dtype), b.astype(dtype), preferred_element_type=dtype).astype(F32)
+    h = mm(x, m, BF16)
+    ct = c * (1 - jnp.tanh(h) ** 2)
+    return mm(ct, m.T, backward_dtype), mm(x.T, ct, backward_dtype)
+
+
+def _proj_args(batch=None):
+    """x and m hold halves in [-1, 1], so the forward's bfloat16 matmul is exact (however XLA
+    fuses its rounding); the cotangents of the backward are not."""
+    rng = np.random.default_rng(0)
+    lead = () if batch is None else (batch,)
+    return (jnp.asarray(rng.integers(-2, 3, (*lead, 8, 4)) / 2, F32), jnp.asarray(rng.integers(-2, 3, (4, 4)) / 2, F32),
+            jnp.asarray(rng.uniform(0.5, 2, (8, 4)), F32))
+
+
+_BACKWARD_DTYPE = {"off": F32, "same_as_forward": BF16}
+
+
+@pytest.mark.parametrize("call", ["grad", "jit", "vmap"])
+@pytest.mark.parametrize("mode", ["off", "same_as_forward"])
+def test_off_and_same_as_forward_differ_as_written_by_hand(mode, call):
+    """A backward whose own matmuls read the cotangent (a custom_vjp rule): "off" runs them
+    in float32, as JAX's vjp of the autocast forward does; "same_as_forward" in bfloat16.
+    The two differ by ~3e-3, so one mode acting as the other fails: "off" is checked to
+    1e-5, "same_as_forward" to bfloat16 precision and must not match float32."""
+    x, m, c = _proj_args(batch=4 if call == "vmap" else None)
+    cf = aotgrad.compile(_proj_loss)
+    grad = jax.grad(cf, argnums=(0, 1))
+    with aotgrad.config.patch(backward_pass_autocast=mode), aotgrad.autocast("cpu"):
+        if call == "vmap":
+            got = jax.vmap(grad, in_axes=(0, None, None))(x, m, c)
+        else:
+            got = (jax.jit(grad) if call == "jit" else grad)(x, m, c)
+        report = aotgrad.explain(cf, x[0] if call == "vmap" else x, m, c)
+    want_dtype = np.dtype(_BACKWARD_DTYPE[mode])
+    assert float_in_dtypes(report.backward_jaxpr, P.dot_general_p) == [{want_dtype}, {want_dtype}]
+    assert float_in_dtypes(report.forward_jaxpr, P.dot_general_p) == [BF16_SET]  # the same forward
+    by_hand = _proj_grads_by_hand
+    if call == "vmap":
+        by_hand = jax.vmap(by_hand, in_axes=(0, None, None, None))
+    if mode == "off":  # also JAX's own vjp of the autocast function
+        reference = jax.grad(aotgrad.autocast("cpu")(_proj_loss), argnums=(0, 1))
+        if call == "vmap":
+            reference = jax.vmap(reference, in_axes=(0, None, None))
+        for g, r in zip(got, reference(x, m, c)):
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+    for g, w, w32 in zip(got, by_hand(x, m, c, _BACKWARD_DTYPE[mode]), by_hand(x, m, c, F32)):
+        assert g.dtype == F32
+        if mode == "off":
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+        else:  # to a bfloat16 tolerance: XLA may skip roundings around a fused matmul (excess precision)
+            np.testing.assert_allclose(g, w, rtol=1e-2, atol=1e-2)
+            assert not np.allclose(g, w32, rtol=1e-4, atol=1e-5)

@@ -94,21 +94,26 @@ def setting_of(eqn: Any, default: Setting | None) -> Setting | None:
 
 # ----------------------------------------------------------------------------- validation
 
-def parse_device_type(device_type: Any, who: str = "aotgrad.autocast") -> str:
-    """`None` -> the default backend; "cuda" -> "gpu"; anything else must be a device type."""
-    if device_type is None:
+def parse_device_type(device_type: Any, who: str = "aotgrad.autocast", allow_none: bool = True) -> str:
+    """The one check of an autocast device type (the context, `config.backward_pass_autocast`
+    and the policy tables all use it): `None` -> the default backend (where `allow_none`);
+    an alias ("cuda", "rocm") -> "gpu"; anything else must be a device type."""
+    if device_type is None and allow_none:
         backend = jax.default_backend()
         return DEVICE_ALIASES.get(backend, backend if backend in DEVICE_TYPES else "cpu")
     if isinstance(device_type, str):
         name = DEVICE_ALIASES.get(device_type, device_type)
         if name in DEVICE_TYPES:
             return name
-    raise ValueError(f"{who}: device_type must be one of {list(DEVICE_TYPES)} (or 'cuda', an alias of "
-                     f"'gpu'), or None for the default backend; got {device_type!r}.")
+    aliases = " or ".join(repr(a) for a in DEVICE_ALIASES)
+    default = ", or None for the default backend" if allow_none else ""
+    raise ValueError(f"{who}: device_type must be one of {list(DEVICE_TYPES)} ({aliases}: aliases of "
+                     f"'gpu'){default}; got {device_type!r}.")
 
 
 def parse_dtype(dtype: Any, who: str = "aotgrad.autocast") -> str | None:
-    """`None`, or the name of float16 / bfloat16 (accepts dtypes, scalar types and names)."""
+    """The one check of an autocast dtype: `None`, or the name of float16 / bfloat16
+    (accepts dtypes, scalar types and names)."""
     if dtype is None:
         return None
     try:
@@ -145,8 +150,8 @@ class autocast:
     state is per thread.
 
     Arguments:
-        device_type: "cpu", "gpu" (alias "cuda") or "tpu": selects the policy table (it
-            does not move data). None: the default backend.
+        device_type: "cpu", "gpu" (aliases "cuda", "rocm") or "tpu": selects the policy
+            table (it does not move data). None: the default backend.
         dtype: `jnp.float16` or `jnp.bfloat16`. None: the enclosing context's dtype for
             this device type, else the device default (gpu float16, cpu and tpu bfloat16).
         enabled: False turns casting off inside the context.

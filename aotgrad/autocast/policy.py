@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Union
 
 import jax.extend.core.primitives as P
 
-from aotgrad.autocast.context import DEVICE_ALIASES, DEVICE_TYPES
+from aotgrad.autocast.context import parse_device_type
 
 __all__ = ["ACCUMULATE_FP32", "ACCUMULATING", "FP32", "LOWER", "POLICIES", "PROMOTE", "TABLES", "Rule",
            "policy_for", "register", "table"]
@@ -50,15 +50,18 @@ def _reciprocal_pow(params: Mapping[str, Any]) -> str | None:
 _PROMOTE = {p: PROMOTE for p in (P.concatenate_p, P.scatter_p, P.scatter_add_p, P.select_n_p, P.atan2_p)}
 _MATMULS = {P.dot_general_p: LOWER, P.conv_general_dilated_p: LOWER}
 
-_GPU: dict[Any, Rule] = {
-    **_MATMULS,
-    **{p: FP32 for p in (P.exp_p, P.expm1_p, P.log_p, P.log1p_p, P.pow_p, P.rsqrt_p, P.acos_p, P.asin_p,
-                         P.cosh_p, P.sinh_p, P.tan_p, P.erf_inv_p,
-                         # fp32 accumulators: softmax, norms, losses, logsumexp are built from these
-                         P.reduce_sum_p, P.reduce_prod_p, P.cumsum_p, P.cumprod_p)},
-    P.integer_pow_p: _reciprocal_pow,
-    **_PROMOTE,
-}
+def _gpu_lists() -> dict[Any, Rule]:
+    """PyTorch's CUDA lists; the tpu table starts from them too (XLA's lists are close)."""
+    return {
+        **_MATMULS,
+        **{p: FP32 for p in (P.exp_p, P.expm1_p, P.log_p, P.log1p_p, P.pow_p, P.rsqrt_p, P.acos_p, P.asin_p,
+                             P.cosh_p, P.sinh_p, P.tan_p, P.erf_inv_p,
+                             # fp32 accumulators: softmax, norms, losses, logsumexp are built from these
+                             P.reduce_sum_p, P.reduce_prod_p, P.cumsum_p, P.cumprod_p)},
+        P.integer_pow_p: _reciprocal_pow,
+        **_PROMOTE,
+    }
+
 
 _CPU: dict[Any, Rule] = {
     **_MATMULS,
@@ -67,35 +70,30 @@ _CPU: dict[Any, Rule] = {
     **_PROMOTE,
 }
 
-# The tables, public and extensible: see `register`. tpu follows the gpu lists.
-TABLES: dict[str, dict[Any, Rule]] = {"gpu": _GPU, "cpu": _CPU, "tpu": dict(_GPU)}
-
-
-def _device(device_type: Any, who: str) -> str:
-    name = DEVICE_ALIASES.get(device_type, device_type) if isinstance(device_type, str) else device_type
-    if name not in TABLES:
-        raise ValueError(f"{who}: device_type must be one of {list(DEVICE_TYPES)} (or 'cuda'); "
-                         f"got {device_type!r}.")
-    return name
+# The tables, public and extensible: see `register`. Each device type has its own table:
+# tpu starts from the gpu lists but does not follow later changes to gpu's (register a
+# policy for each device type it should apply to).
+TABLES: dict[str, dict[Any, Rule]] = {"gpu": _gpu_lists(), "cpu": _CPU, "tpu": _gpu_lists()}
 
 
 def table(device_type: str) -> Mapping[Any, Rule]:
     """The rule table of a device type (read-only view; change it with `register`)."""
     from types import MappingProxyType
-    return MappingProxyType(TABLES[_device(device_type, "aotgrad.autocast_policy_table")])
+    return MappingProxyType(TABLES[parse_device_type(device_type, "aotgrad.autocast_policy_table", allow_none=False)])
 
 
 def register(device_type: str, primitive: Any, policy: Rule | None) -> None:
-    """Sets the autocast policy of `primitive` for `device_type`.
+    """Sets the autocast policy of `primitive` for `device_type`, and for it alone: the tpu
+    table starts from the gpu lists but does not follow later changes to them.
 
     Arguments:
-        device_type: "cpu", "gpu" (alias "cuda") or "tpu".
+        device_type: "cpu", "gpu" (aliases "cuda", "rocm") or "tpu".
         primitive: a JAX primitive, e.g. `jax.extend.core.primitives.tanh_p`.
         policy: "lower_precision_fp", "fp32", "promote", a function of the equation's params
             returning one of those (or None), or None to remove the primitive's entry.
     """
     who = "aotgrad.register_autocast_policy"
-    name = _device(device_type, who)
+    name = parse_device_type(device_type, who, allow_none=False)
     if not (hasattr(primitive, "bind") and hasattr(primitive, "name")):
         raise TypeError(f"{who}: primitive must be a JAX primitive (e.g. jax.extend.core.primitives.exp_p); "
                         f"got {type(primitive).__name__} ({primitive!r}).")

@@ -21,9 +21,10 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
-from aotgrad._jax_internals import bind_eqn, eqn_context, wrap_like
+from aotgrad._jax_internals import bind_eqn, eqn_context, name_scopes, wrap_like
 from aotgrad.autocast.context import _MARKERS, Setting, setting_of
 from aotgrad.autocast.policy import ACCUMULATE_FP32, ACCUMULATING, FP32, LOWER, POLICIES, PROMOTE, policy_for
+from aotgrad.interpret import CALL_BODIES, body_of, eval_jaxpr, sub_jaxprs
 
 __all__ = ["RESTORE", "CastCounts", "Rewriter", "has_markers", "rewrite_backward"]
 
@@ -45,6 +46,7 @@ class CastCounts:
 
     @property
     def total(self) -> int:
+        """All casts, forward and backward."""
         return sum(n for _, n in self.forward) + sum(n for _, n in self.backward)
 
     def __str__(self) -> str:
@@ -67,7 +69,6 @@ class Rewriter:
 
     def __init__(self) -> None:
         self.counts: collections.Counter = collections.Counter()
-        self.constant: list[bool] = []  # per input of the equation being rewritten
 
     # ---------------------------------------------------------------- casting
 
@@ -87,31 +88,27 @@ class Rewriter:
                    default: Setting | None, constant_args: Sequence[bool] = ()) -> list[Any]:
         """Evaluates `jaxpr`; each equation runs under the setting its name stack records,
         else `default`. `constant_args`: which arguments are built from literals alone."""
-        env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts))
-        env.update(zip(jaxpr.invars, args))
-        # Values built from literals alone (`jnp.where(p, x, 0.0)`'s zeros) follow the other
-        # operands in promotion, like the weakly typed scalars they came from.
-        constant = {v for v, c in zip(jaxpr.invars, constant_args) if c}
-        for eqn in jaxpr.eqns:
-            self.constant = [isinstance(v, Literal) or v in constant for v in eqn.invars]
-            outs = self.eqn(eqn, [_read(env, v) for v in eqn.invars], setting_of(eqn, default))
-            env.update((v, o) for v, o in zip(eqn.outvars, outs) if isinstance(v, Var))
-            if all(self.constant) and not eqn.effects:
-                constant.update(v for v in eqn.outvars if isinstance(v, Var))
-        return [_read(env, v) for v in jaxpr.outvars]
+        constant = constant_vars(jaxpr, constant_args)
+
+        def bind(eqn: JaxprEqn, invals: list) -> list:
+            return self.eqn(eqn, invals, setting_of(eqn, default), _flags(eqn, constant))
+        return eval_jaxpr(jaxpr, consts, args, bind=bind)
 
     def eval_closed(self, closed: ClosedJaxpr, args: Sequence[Any], default: Setting | None) -> list[Any]:
         return self.eval_jaxpr(closed.jaxpr, closed.consts, args, default)
 
-    def eqn(self, eqn: JaxprEqn, invals: list[Any], setting: Setting | None) -> list[Any]:
+    def eqn(self, eqn: JaxprEqn, invals: list[Any], setting: Setting | None,
+            constant: Sequence[bool]) -> list[Any]:
+        """One equation under `setting`; `constant[i]`: input i is built from literals alone."""
         rule = STRUCTURAL.get(eqn.primitive)
         if rule is not None:
-            return rule(self, eqn, invals, setting)
+            return rule(self, eqn, invals, setting, constant)
         if _has_body(eqn):  # a body typed for its declared inputs, and no rule for it
             return bind_eqn(eqn, [self.restore(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
-        return self.op(eqn, invals, setting)
+        return self.op(eqn, invals, setting, constant)
 
-    def op(self, eqn: JaxprEqn, invals: list[Any], setting: Setting | None) -> list[Any]:
+    def op(self, eqn: JaxprEqn, invals: list[Any], setting: Setting | None,
+           constant: Sequence[bool]) -> list[Any]:
         """One primitive: the policy's casts, then promotion of disagreeing floating inputs;
         a summing reduction left with a 16-bit input accumulates in float32."""
         policy = policy_for(setting.device_type, eqn.primitive, eqn.params) if setting else None
@@ -121,7 +118,7 @@ class Rewriter:
             vals = [self._to(x, atom, target, policy) if _aval_of(x, atom).dtype in _ELIGIBLE else x
                     for x, atom in zip(vals, eqn.invars)]
         if eqn.primitive not in _NO_PROMOTE:
-            vals = self._promote(eqn, vals)
+            vals = self._promote(eqn, vals, constant)
         params = _adjust_params(eqn, vals, policy, setting)
         if params is not eqn.params:
             eqn = eqn.replace(params=params)
@@ -144,14 +141,13 @@ class Rewriter:
             return np.asarray(x, dtype) if _aval_of(x, atom).dtype != dtype else x
         return self.cast(x, dtype, why)
 
-    def _promote(self, eqn: JaxprEqn, vals: list[Any]) -> list[Any]:
+    def _promote(self, eqn: JaxprEqn, vals: list[Any], constant: Sequence[bool]) -> list[Any]:
         """Casts floating inputs to the join of their types; weakly typed values and
         constants follow the others, as in JAX's own promotion."""
         avals = [_aval_of(x, a) for x, a in zip(vals, eqn.invars)]
         floats = [i for i, a in enumerate(avals) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating)]
         if len({avals[i].dtype for i in floats}) < 2:
             return vals
-        constant = self.constant if len(self.constant) == len(vals) else [False] * len(vals)
         strong = [i for i in floats if not (avals[i].weak_type or isinstance(eqn.invars[i], Literal)
                                             or constant[i])]
         join = functools.reduce(jax.numpy.promote_types, [avals[i].dtype for i in (strong or floats)])
@@ -162,8 +158,9 @@ class Rewriter:
         return out
 
 
-def _read(env: dict, atom: Any) -> Any:
-    return atom.val if isinstance(atom, Literal) else env[atom]
+def _flags(eqn: JaxprEqn, constant: set[Var]) -> list[bool]:
+    """Which inputs of `eqn` are built from literals alone."""
+    return [isinstance(v, Literal) or v in constant for v in eqn.invars]
 
 
 def _aval_of(x: Any, atom: Any) -> Any:
@@ -180,9 +177,7 @@ def _accumulates_in_16_bits(eqn: JaxprEqn, vals: list[Any]) -> bool:
 
 
 def _has_body(eqn: JaxprEqn) -> bool:
-    def is_body(v: Any) -> bool:
-        return isinstance(v, (ClosedJaxpr, Jaxpr)) or (isinstance(v, (tuple, list)) and any(map(is_body, v)))
-    return any(is_body(v) for k, v in eqn.params.items() if k != "update_jaxpr")
+    return bool(sub_jaxprs(eqn, skip=frozenset({"update_jaxpr"})))  # a scatter's combiner is no body
 
 
 def _adjust_params(eqn: JaxprEqn, vals: list[Any], policy: str | None, setting: Setting | None) -> dict:
@@ -220,30 +215,30 @@ def _scatter_kwargs(params: dict) -> dict:
 
 # ----------------------------------------------------------------------------- structural rules
 
-Rule = Callable[[Rewriter, JaxprEqn, list, "Setting | None"], list]
+# (rewriter, equation, input values, setting, which inputs are constant) -> output values
+Rule = Callable[[Rewriter, JaxprEqn, list, "Setting | None", Sequence[bool]], list]
 
 
 def _inline(param: str) -> Rule:
     """Calls (`jit`, `closed_call`): the body is evaluated in place, under the call's scopes."""
-    def rule(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -> list:
-        body = eqn.params[param]
-        constant = list(rw.constant)
+    def rule(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
+             constant: Sequence[bool]) -> list:
         with eqn_context(eqn):
-            if isinstance(body, ClosedJaxpr):
-                return rw.eval_jaxpr(body.jaxpr, body.consts, invals, setting, constant)
-            return rw.eval_jaxpr(body, (), invals, setting, constant)
+            return rw.eval_jaxpr(*body_of(eqn, param), invals, setting, constant)
     return rule
 
 
-def _remat(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -> list:
+def _remat(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
+           constant: Sequence[bool]) -> list:
     p = eqn.params
-    body = functools.partial(rw.eval_jaxpr, p["jaxpr"], (), default=setting)
+    body = functools.partial(rw.eval_jaxpr, p["jaxpr"], (), default=setting, constant_args=constant)
     with eqn_context(eqn):
         return list(jax.checkpoint(lambda *xs: body(xs), prevent_cse=p["prevent_cse"],
                                    policy=p["policy"])(*invals))
 
 
-def _scan(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -> list:
+def _scan(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
+          constant: Sequence[bool]) -> list:
     p = eqn.params
     nc, ncar = p["num_consts"], p["num_carry"]
     consts, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
@@ -259,7 +254,8 @@ def _scan(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) ->
     return [*carry, *ys]
 
 
-def _while(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -> list:
+def _while(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
+           constant: Sequence[bool]) -> list:
     p = eqn.params
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
@@ -276,7 +272,8 @@ def _while(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -
         return list(lax.while_loop(cond, body, [rw.restore(c, d) for c, d in zip(init, dtypes)]))
 
 
-def _cond(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -> list:
+def _cond(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
+          constant: Sequence[bool]) -> list:
     index, ops = invals[0], invals[1:]
     dtypes = [v.aval.dtype for v in eqn.outvars]
 
@@ -287,7 +284,8 @@ def _cond(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) ->
         return list(lax.switch(index, [functools.partial(branch, b) for b in eqn.params["branches"]], *ops))
 
 
-def _custom_jvp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -> list:
+def _custom_jvp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
+                constant: Sequence[bool]) -> list:
     """The function and its JVP rule are both rewritten (under differentiation JAX runs the
     rule, not the function), re-traced at the inputs' new types."""
     p = eqn.params
@@ -315,7 +313,8 @@ def _custom_jvp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | No
     return bind_eqn(eqn.replace(params=params), invals)
 
 
-def _custom_vjp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None) -> list:
+def _custom_vjp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
+                constant: Sequence[bool]) -> list:
     """The function and its forward rule are rewritten inside declared boundaries (inputs,
     outputs, residuals); the user's backward is traced later, as part of the backward."""
     p = eqn.params
@@ -339,8 +338,32 @@ def _custom_vjp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | No
     return bind_eqn(eqn.replace(params=params), invals)
 
 
+# Calls whose body is evaluated in place: their outputs are constant as the body's are, so
+# a helper's values promote the same whether or not it is wrapped in `jax.jit`.
+_IN_PLACE = {**CALL_BODIES, P.remat_p: "jaxpr"}
+
+
+def constant_vars(jaxpr: Jaxpr, constant_args: Sequence[bool] = ()) -> set[Var]:
+    """The values of `jaxpr` built from literals alone (`jnp.where(p, x, 0.0)`'s zeros), given
+    which arguments are. They follow the other operands in promotion, like the weakly typed
+    scalars they came from. Computed from the jaxpr alone, before any rewriting."""
+    constant = {v for v, c in zip(jaxpr.invars, constant_args) if c}
+    for eqn in jaxpr.eqns:
+        if eqn.effects:
+            continue
+        flags = _flags(eqn, constant)
+        if eqn.primitive in _IN_PLACE:
+            body, _ = body_of(eqn, _IN_PLACE[eqn.primitive])
+            inner = constant_vars(body, flags)
+            outs = [isinstance(o, Literal) or o in inner for o in body.outvars]
+        else:
+            outs = [all(flags)] * len(eqn.outvars)
+        constant.update(v for v, c in zip(eqn.outvars, outs) if c and isinstance(v, Var))
+    return constant
+
+
 STRUCTURAL: dict[Any, Rule] = {
-    P.jit_p: _inline("jaxpr"), P.closed_call_p: _inline("call_jaxpr"), P.call_p: _inline("call_jaxpr"),
+    **{prim: _inline(param) for prim, param in CALL_BODIES.items()},
     P.remat_p: _remat, P.scan_p: _scan, P.while_p: _while, P.cond_p: _cond,
     P.custom_jvp_call_p: _custom_jvp, P.custom_vjp_call_p: _custom_vjp,
 }
@@ -350,15 +373,9 @@ STRUCTURAL: dict[Any, Rule] = {
 
 def has_markers(jaxpr: Jaxpr) -> bool:
     """Whether any equation (also in bodies) was traced inside an autocast context."""
-    from aotgrad._jax_internals import name_scopes
     for eqn in jaxpr.eqns:
-        if any(s in _MARKERS for s in name_scopes(eqn)):
+        if any(s in _MARKERS for s in name_scopes(eqn)) or any(map(has_markers, sub_jaxprs(eqn))):
             return True
-        for v in eqn.params.values():
-            for body in (v if isinstance(v, (tuple, list)) else (v,)):
-                inner = body.jaxpr if isinstance(body, ClosedJaxpr) else body
-                if isinstance(inner, Jaxpr) and has_markers(inner):
-                    return True
     return False
 
 
@@ -378,20 +395,19 @@ def rewrite_backward(program: ClosedJaxpr, n_cotangents: int,
     cotangents) keep their declared dtypes."""
     rw = Rewriter()
     jaxpr = program.jaxpr
+    constant = constant_vars(jaxpr)
 
     def run(*args: Any) -> list:
-        env: dict[Var, Any] = dict(zip(jaxpr.constvars, program.consts))
-        env.update(zip(jaxpr.invars, args))
         backward = set(jaxpr.invars[len(jaxpr.invars) - n_cotangents:])
-        for eqn in jaxpr.eqns:
-            invals = [_read(env, v) for v in eqn.invars]
-            if any(isinstance(v, Var) and v in backward for v in eqn.invars):
-                outs = rw.eqn(eqn, invals, choose(eqn))
-                backward.update(v for v in eqn.outvars if isinstance(v, Var))
-            else:
-                outs = bind_eqn(eqn, invals)
-            env.update((v, o) for v, o in zip(eqn.outvars, outs) if isinstance(v, Var))
-        return [rw.restore(_read(env, v), v.aval.dtype) for v in jaxpr.outvars]
+
+        def bind(eqn: JaxprEqn, invals: list) -> list:
+            if not any(isinstance(v, Var) and v in backward for v in eqn.invars):
+                return bind_eqn(eqn, invals)
+            backward.update(v for v in eqn.outvars if isinstance(v, Var))
+            return rw.eqn(eqn, invals, choose(eqn), _flags(eqn, constant))
+
+        outs = eval_jaxpr(jaxpr, program.consts, args, bind=bind)
+        return [rw.restore(o, v.aval.dtype) for o, v in zip(outs, jaxpr.outvars)]
 
     new = jax.make_jaxpr(run)(*[v.aval for v in jaxpr.invars])
     return new, ordered(rw.counts)

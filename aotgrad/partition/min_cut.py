@@ -59,7 +59,7 @@ class Problem:
             if not any(v in dependent for v in _vars(eqn.outvars)):
                 continue
             eqns.append(i)
-            unsafe_test = eqn.primitive.name in FLOAT_EQUALITY and any(v in widened for v in _vars(eqn.invars))
+            unsafe_test = eqn.primitive in FLOAT_EQUALITY and any(v in widened for v in _vars(eqn.invars))
             kinds.append(Kind.UNSAFE if unsafe_test or is_cut_scan(eqn) else kind_of(eqn))
             for v in _vars(eqn.outvars):
                 position[v] = len(values)
@@ -219,12 +219,13 @@ class Cut:
             if v in inputs:
                 out[v] = "input: saved as itself, free"
                 continue
-            prim = graph.eqns[graph.producer[v]].primitive.name
+            primitive = graph.eqns[graph.producer[v]].primitive
+            prim = primitive.name
             kind = problem.kind_of_value(problem.position[v])
             if kind is Kind.UNSAFE and is_cut_scan(graph.eqns[graph.producer[v]]):
                 out[v] = ("banned: a scan cut per iteration is not run twice (the budget applies "
                           "inside its body)")
-            elif kind is Kind.UNSAFE and prim in FLOAT_EQUALITY:
+            elif kind is Kind.UNSAFE and primitive in FLOAT_EQUALITY:
                 out[v] = (f"banned: {prim} of values widened from 16 bits is never run twice "
                           f"(a recomputed operand may round differently)")
             elif kind is Kind.UNSAFE:

@@ -1,7 +1,8 @@
 """Which primitives may be recomputed in the backward, and at what kind of cost.
 
-One rule per primitive name; a primitive with no rule gets `COSTLY` (it is never
-recomputed unless a memory budget asks for it). Register your own with `register`.
+One rule per primitive, keyed by the `Primitive` object (a misspelt entry fails at import);
+a primitive with no rule gets `COSTLY` (it is never recomputed unless a memory budget asks
+for it). Register your own with `register`.
 
 - CHEAP: fusible elementwise math, casts, shape changes, selects; recomputing them in a
   backward fusion costs little compute and no extra memory traffic.
@@ -33,7 +34,11 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from jax.extend.core import ClosedJaxpr, Jaxpr
+import jax.extend.core.primitives as P
+from jax.extend.core import Primitive
+
+from aotgrad._jax_internals import primitives as I
+from aotgrad.interpret import sub_jaxprs
 
 __all__ = ["FLOAT_EQUALITY", "Kind", "RULES", "kind_of", "register", "sub_jaxprs"]
 
@@ -51,57 +56,78 @@ class Kind(enum.Enum):
         return self not in (Kind.COSTLY, Kind.UNSAFE)
 
 
-_CHEAP = """
-    abs acos acosh add add_any and asin asinh atan atan2 atanh bitcast_convert_type
-    broadcast_in_dim cbrt ceil clamp clz complex conj convert_element_type copy copy_p cos
-    cosh digamma div eq erf erf_inv erfc exp exp2 expand_dims expm1 floor ge gt imag
-    integer_pow iota is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter
-    not or polygamma population_count pow real reduce_precision rem reshape round rsqrt
-    select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh slice sqrt
-    square squeeze stop_gradient sub tan tanh xor sharding_constraint pvary name
-    igamma igammac igamma_grad_a random_gamma_grad bessel_i0e bessel_i1e zeta regularized_incomplete_beta
-"""
-_MOVE = """
-    transpose rev concatenate pad gather dynamic_slice dynamic_update_slice split
-    select_and_gather_add
-"""
-_REDUCE = """
-    reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin
-    cumsum cumprod cummax cummin cumlogsumexp reduce_window_sum reduce_window_max
-    reduce_window_min reduce_window
-"""
-_RANDOM = "random_bits random_seed random_wrap random_unwrap random_fold_in random_split threefry2x32"
-_COSTLY = """
-    dot_general conv_general_dilated sort top_k fft cholesky qr svd eig eigh lu lu_pivots_to_permutation
-    triangular_solve householder_product geqrf tridiagonal tridiagonal_solve schur hessenberg
-    scan while cond custom_lin
-    scatter scatter-add scatter_add scatter-mul scatter_mul scatter-min scatter-max select_and_scatter_add
-    select_and_scatter argsort
-"""
-_UNSAFE = """
-    psum pmax pmin pmean all_gather all_to_all ppermute psum_scatter reduce_scatter pbroadcast
-    axis_index shard_map xla_pmap custom_call ffi_call pure_callback io_callback debug_callback
-    device_put
-"""
+_CHEAP = (
+    P.abs_p, P.acos_p, P.acosh_p, P.add_p, P.add_jaxvals_p, P.and_p, P.asin_p, P.asinh_p, P.atan_p, P.atan2_p,
+    P.atanh_p, P.bitcast_convert_type_p, P.broadcast_in_dim_p, P.cbrt_p, P.ceil_p, P.clamp_p, P.clz_p,
+    P.complex_p, P.conj_p, P.convert_element_type_p, P.copy_p, P.cos_p, P.cosh_p, P.digamma_p, P.div_p,
+    P.eq_p, P.erf_p, P.erf_inv_p, P.erfc_p, P.exp_p, P.exp2_p, P.expm1_p, P.floor_p, P.ge_p, P.gt_p,
+    P.imag_p, P.integer_pow_p, P.iota_p, P.is_finite_p, P.le_p, P.lgamma_p, P.log_p, P.log1p_p,
+    P.logistic_p, P.lt_p, P.max_p, P.min_p, P.mul_p, P.ne_p, P.neg_p, P.nextafter_p, P.not_p, P.or_p,
+    P.polygamma_p, P.population_count_p, P.pow_p, P.real_p, P.reduce_precision_p, P.rem_p, P.reshape_p,
+    P.round_p, P.rsqrt_p, P.select_n_p, P.shift_left_p, P.shift_right_arithmetic_p,
+    P.shift_right_logical_p, P.sign_p, P.sin_p, P.sinh_p, P.slice_p, P.sqrt_p, P.square_p, P.squeeze_p,
+    P.stop_gradient_p, P.sub_p, P.tan_p, P.tanh_p, P.xor_p, P.sharding_constraint_p, I.pvary_p,
+    P.name_p,
+    P.igamma_p, P.igammac_p, P.igamma_grad_a_p, P.bessel_i0e_p, P.bessel_i1e_p, P.zeta_p,
+    P.regularized_incomplete_beta_p,
+)
+_MOVE = (
+    P.transpose_p, P.rev_p, P.concatenate_p, P.pad_p, P.gather_p, P.dynamic_slice_p,
+    P.dynamic_update_slice_p, I.split_p, P.select_and_gather_add_p,
+)
+_REDUCE = (
+    P.reduce_sum_p, P.reduce_max_p, P.reduce_min_p, P.reduce_prod_p, P.reduce_and_p, P.reduce_or_p,
+    P.reduce_xor_p, P.argmax_p, P.argmin_p, P.cumsum_p, P.cumprod_p, P.cummax_p, P.cummin_p,
+    P.cumlogsumexp_p, P.reduce_window_sum_p, P.reduce_window_max_p, P.reduce_window_min_p, P.reduce_window_p,
+)
+_RANDOM = (P.random_bits_p, P.random_seed_p, I.random_wrap_p, I.random_unwrap_p, P.random_fold_in_p,
+           P.random_split_p, P.threefry2x32_p)
+_COSTLY = (
+    P.dot_general_p, P.conv_general_dilated_p, P.sort_p, P.top_k_p, P.fft_p, P.cholesky_p, P.qr_p, P.svd_p,
+    P.eig_p, P.eigh_p, P.lu_p, I.lu_pivots_to_permutation_p, P.triangular_solve_p,
+    P.householder_product_p, I.geqrf_p, P.tridiagonal_p, P.tridiagonal_solve_p, P.schur_p,
+    P.hessenberg_p, P.scan_p, P.while_p, P.cond_p, P.custom_lin_p,
+    P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p,
+    P.select_and_scatter_add_p, P.select_and_scatter_p,
+)
+_UNSAFE = (
+    P.psum_p, P.pmax_p, P.pmin_p, P.all_gather_p, P.all_to_all_p, P.ragged_all_to_all_p, P.ppermute_p,
+    I.reduce_scatter_p, I.pbroadcast_p, I.psum_invariant_p, I.all_gather_invariant_p, P.axis_index_p,
+    I.shard_map_p, I.ffi_call_p, I.pure_callback_p, I.io_callback_p, I.debug_callback_p, P.device_put_p,
+)
 
 # Comparisons never recomputed on values widened from 16-bit floats (see the docstring).
-FLOAT_EQUALITY = frozenset({"eq", "ne"})
+FLOAT_EQUALITY = frozenset({P.eq_p, P.ne_p})
 
-# Calls are as costly as the worst equation in their body (a relu's custom_jvp_call is cheap).
-CALLS = frozenset("custom_jvp_call custom_vjp_call checkpoint remat jit pjit closed_call call".split())
+# Calls are as costly as the worst equation in their body (a relu's custom_jvp_call is cheap,
+# a `jax.checkpoint` of pointwise math is cheap).
+CALLS = frozenset({P.custom_jvp_call_p, P.custom_vjp_call_p, P.remat_p, P.jit_p, P.closed_call_p, P.call_p})
 _ORDER = (Kind.CHEAP, Kind.MOVE, Kind.REDUCE, Kind.RANDOM, Kind.COSTLY, Kind.UNSAFE)
 
-RULES: dict[str, Kind] = {}
-for _kind, _names in ((Kind.CHEAP, _CHEAP), (Kind.MOVE, _MOVE), (Kind.REDUCE, _REDUCE),
+RULES: dict[Primitive, Kind] = {}
+for _kind, _prims in ((Kind.CHEAP, _CHEAP), (Kind.MOVE, _MOVE), (Kind.REDUCE, _REDUCE),
                       (Kind.RANDOM, _RANDOM), (Kind.COSTLY, _COSTLY), (Kind.UNSAFE, _UNSAFE)):
-    RULES.update(dict.fromkeys(_names.split(), _kind))
+    for _prim in _prims:
+        assert isinstance(_prim, Primitive) and _prim not in RULES, _prim  # one rule per primitive
+        RULES[_prim] = _kind
 
 
-def register(primitive: Any, kind: Kind) -> None:
-    """Sets the recompute rule of a primitive (a `jax.extend.core.Primitive` or its name)."""
+def register(primitive: Primitive, kind: Kind) -> None:
+    """Sets the recompute rule of a primitive.
+
+    Arguments:
+        primitive: a `jax.extend.core.Primitive` (e.g. `jax.extend.core.primitives.tanh_p`,
+            or a primitive of your own).
+        kind: a `Kind`.
+    """
+    if not isinstance(primitive, Primitive):
+        raise TypeError(f"aotgrad.partition.rules.register: primitive must be a jax.extend.core.Primitive "
+                        f"(e.g. jax.extend.core.primitives.tanh_p); got {type(primitive).__name__} "
+                        f"({primitive!r}).")
     if not isinstance(kind, Kind):
-        raise TypeError(f"kind must be an aotgrad.partition.rules.Kind; got {kind!r}.")
-    RULES[getattr(primitive, "name", primitive)] = kind
+        raise TypeError(f"aotgrad.partition.rules.register: kind must be an aotgrad.partition.rules.Kind; "
+                        f"got {kind!r}.")
+    RULES[primitive] = kind
 
 
 def kind_of(eqn: Any) -> Kind:
@@ -110,22 +136,10 @@ def kind_of(eqn: Any) -> Kind:
     classified by its body."""
     if eqn.effects:
         return Kind.UNSAFE
-    if eqn.primitive.name in CALLS:
+    if eqn.primitive in CALLS:
         return max((kind_of(e) for j in sub_jaxprs(eqn) for e in j.eqns), key=_ORDER.index,
                    default=Kind.CHEAP)
-    kind = RULES.get(eqn.primitive.name, Kind.COSTLY)
+    kind = RULES.get(eqn.primitive, Kind.COSTLY)
     if kind is Kind.COSTLY and any(kind_of(e) is Kind.UNSAFE for j in sub_jaxprs(eqn) for e in j.eqns):
         return Kind.UNSAFE
     return kind
-
-
-def sub_jaxprs(eqn: Any) -> list[Jaxpr]:
-    """The jaxprs in an equation's parameters (bodies of scan, cond branches, ...)."""
-    found: list[Jaxpr] = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, Jaxpr):
-                found.append(item)
-    return found

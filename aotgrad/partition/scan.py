@@ -21,6 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
 from aotgrad._jax_internals import bind_eqn
+from aotgrad.interpret import Rule, eval_jaxpr
 
 __all__ = ["BodyCut", "is_cut_scan", "partition_scans"]
 
@@ -30,15 +31,15 @@ BodyCut = Callable[[Any, float], dict[Var, str]]
 _PREFIX = "aotgrad_scan_value_"
 
 
-def partition_scans(cut: BodyCut, budget: float) -> dict[Any, Callable[[JaxprEqn, list], list]]:
+def partition_scans(cut: BodyCut, budget: float) -> dict[Any, Rule]:
     """Evaluation rules (see `interpret.eval_jaxpr`) that re-bind every scan with its
     body cut by `cut` at `budget`; nested scans are cut the same way."""
-    rules: dict[Any, Callable[[JaxprEqn, list], list]] = {}
+    rules: dict[Any, Rule] = {}
 
     def scan_rule(eqn: JaxprEqn, invals: list) -> list:
         p = eqn.params
         body: ClosedJaxpr = p["jaxpr"]
-        if body.jaxpr.effects:  # a checkpointed body may not have effects: JAX's residuals
+        if body.jaxpr.effects:  # a body with effects cannot be checkpointed: jax.vjp's residuals
             return bind_eqn(eqn, invals)
         nc, ncar = p["num_consts"], p["num_carry"]
         names = _cut_names(body, cut, budget, rules)
@@ -63,26 +64,22 @@ def partition_scans(cut: BodyCut, budget: float) -> dict[Any, Callable[[JaxprEqn
 def _eval_named(body: ClosedJaxpr, args: Any, rules: dict) -> list:
     """Evaluates `body`, naming each array its equations produce `<prefix><k>` (k: the
     value's position in the body), so a policy can save exactly the chosen ones."""
-    from aotgrad.interpret import read
     jaxpr = body.jaxpr
-    env = dict(zip(jaxpr.constvars, body.consts))
-    env.update(zip(jaxpr.invars, args))
-    k = 0
-    for eqn in jaxpr.eqns:
-        invals = [read(env, v) for v in eqn.invars]
-        rule = rules.get(eqn.primitive)
-        outs = rule(eqn, invals) if rule else bind_eqn(eqn, invals)
-        for v, val in zip(eqn.outvars, outs):
-            if isinstance(v, Var):
-                env[v] = checkpoint_name(val, f"{_PREFIX}{k}") if _nameable(eqn, v) else val
-            k += 1
-    return [read(env, v) for v in jaxpr.outvars]
+    position = {v: k for k, v in enumerate(v for e in jaxpr.eqns for v in e.outvars)}
+
+    def named(evaluate: Rule) -> Rule:
+        def rule(eqn: JaxprEqn, invals: list) -> list:
+            return [checkpoint_name(val, f"{_PREFIX}{position[v]}") if _nameable(eqn, v) else val
+                    for v, val in zip(eqn.outvars, evaluate(eqn, invals))]
+        return rule
+
+    return eval_jaxpr(jaxpr, body.consts, args, {p: named(r) for p, r in rules.items()}, bind=named(bind_eqn))
 
 
-def _nameable(eqn: JaxprEqn, v: Var) -> bool:
+def _nameable(eqn: JaxprEqn, v: Any) -> bool:
     """Numeric arrays only (PRNG keys and float0 are recomputed or carried, never named)."""
-    dtype = getattr(v.aval, "dtype", None)
-    return (not eqn.effects and eqn.primitive is not P.name_p and dtype is not None
+    dtype = getattr(getattr(v, "aval", None), "dtype", None)
+    return (isinstance(v, Var) and not eqn.effects and eqn.primitive is not P.name_p and dtype is not None
             and (jax.numpy.issubdtype(dtype, np.number) or jax.numpy.issubdtype(dtype, np.bool_)))
 
 

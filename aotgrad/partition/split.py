@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import jax
 from jax.extend.core import ClosedJaxpr, Var
 
-from aotgrad.interpret import eval_eqns, read
+from aotgrad.interpret import eval_jaxpr
 from aotgrad.partition.graph import JointGraph, live_eqns
 
 __all__ = ["Split", "recompute_late", "split"]
@@ -112,10 +112,7 @@ def _emit(graph: JointGraph, idx: list[int], invars: list[Var], outvars: list) -
     eqns = [jaxpr.eqns[i] for i in idx]
 
     def program(*args: Any) -> list[Any]:
-        env = dict(zip(jaxpr.constvars, graph.closed.consts))
-        env.update(zip(invars, args))
-        eval_eqns(eqns, env)
-        return [read(env, v) for v in outvars]
+        return eval_jaxpr(jaxpr, graph.closed.consts, args, invars=invars, eqns=eqns, outvars=outvars)
 
     avals = [v.aval for v in invars]
     return jax.make_jaxpr(program)(*avals)
