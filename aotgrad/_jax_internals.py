@@ -7,7 +7,8 @@
   its module, since making an array to ask its type would start the backend at import,
   before a multi-host program can call `jax.distributed.initialize`);
 - name-stack scopes of equations (autocast markers) and wrapping functions as the
-  params of `custom_jvp_call` / `custom_vjp_call` expect (to rewrite their rules).
+  params of `custom_jvp_call` / `custom_vjp_call` expect (to rewrite their rules);
+- re-opening the persistent compilation cache after its directory changed.
 """
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import contextlib
 import os
 from typing import Any, Callable, Iterator, Sequence
 
-from jax._src import linear_util, source_info_util, traceback_util
+from jax._src import compilation_cache, linear_util, source_info_util, traceback_util
 from jax._src.array import ArrayImpl
 from jax._src.core import Tracer
 
-__all__ = ["ArrayImpl", "Tracer", "bind_eqn", "eqn_context", "name_scopes", "source_line", "wrap_like"]
+__all__ = ["ArrayImpl", "Tracer", "bind_eqn", "eqn_context", "name_scopes", "reset_compilation_cache",
+           "source_line", "wrap_like"]
 
 traceback_util.register_exclusion(os.path.dirname(__file__))
 
@@ -63,3 +65,9 @@ def eqn_context(eqn: Any) -> Iterator[None]:
 def wrap_like(fn: Callable[..., Any], like: Any) -> Any:
     """`fn` wrapped the way a `custom_jvp_call` / `custom_vjp_call` param `like` is."""
     return linear_util.wrap_init(fn, debug_info=like.debug_info)
+
+
+def reset_compilation_cache() -> None:
+    """JAX opens its persistent cache directory once per process; this makes the next
+    compilation open `jax_compilation_cache_dir` again (after aotgrad changed it)."""
+    compilation_cache.reset_cache()
