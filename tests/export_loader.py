@@ -7,6 +7,7 @@ from the `aotgrad.compile`d function. This process imports neither the functions
 (tests/corpus.py) nor their source; it loads each blob, calls it eagerly and under
 `jax.jit`, differentiates it with `jax.grad` and `aotgrad.fwd_and_bwd`, and checks every
 result bit for bit. Exit status 0 when all match; the mismatches are printed otherwise.
+It also prints how many programs JAX's persistent compilation cache held (hits) or not.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 
@@ -105,8 +107,12 @@ def check_case(case: dict[str, Any], directory: pathlib.Path) -> list[str]:
 
 
 def main(directory: pathlib.Path) -> int:
+    events: list[str] = []
+    jax.monitoring.register_event_listener(lambda event, **_: events.append(event))
     manifest = json.loads((directory / "manifest.json").read_text())
     problems = [p for case in manifest for p in check_case(case, directory)]
+    print(f"persistent cache: {events.count('/jax/compilation_cache/cache_hits')} hits, "
+          f"{events.count('/jax/compilation_cache/cache_misses')} misses")
     leaked = [m for m in ("corpus", "tests.corpus") if m in sys.modules]
     if leaked:
         problems.append(f"the loading process imported the functions' module: {leaked}")

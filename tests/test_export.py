@@ -27,10 +27,12 @@ from aotgrad.export import ExportError
 
 try:
     from tests import corpus, export_loader
+    from tests.own_process import run_module
     from tests.partition_configs import config_id, partitioner_configs
 except ImportError:
     import corpus
     import export_loader
+    from own_process import run_module
     from partition_configs import config_id, partitioner_configs
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -292,9 +294,42 @@ def test_round_trip_in_a_fresh_process(tmp_path):
     with aotgrad.autocast("cpu", dtype=jnp.bfloat16):
         for name in AUTOCAST_ROUND_TRIP:
             _write_case(tmp_path, f"{name}.autocast", corpus.BY_NAME[name], manifest)
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(HERE / "export_loader.py"), str(tmp_path)],
+    assert f"{len(manifest)} cases: bit-identical" in _load_in_fresh_process(tmp_path, manifest)
+
+
+def _load_in_fresh_process(directory: pathlib.Path, manifest: list, **env: str) -> str:
+    """Runs tests/export_loader.py on `manifest` in a new Python process; returns its output."""
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    env = {**os.environ, **env,
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(HERE / "export_loader.py"), str(directory)],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
-    assert f"{len(manifest)} cases: bit-identical" in proc.stdout
+    return proc.stdout
+
+
+def test_warm_start_from_the_compilation_cache(tmp_path):
+    """AOTGRAD_COMPILATION_CACHE_DIR: the first loading process compiles and fills the
+    cache, the second compiles nothing (every program is a cache hit)."""
+    manifest: list = []
+    _write_case(tmp_path, "mlp", corpus.BY_NAME["mlp"], manifest, ("eager", "jit"))
+    cache = str(tmp_path / "cache")
+    first = _load_in_fresh_process(tmp_path, manifest, AOTGRAD_COMPILATION_CACHE_DIR=cache)
+    assert "persistent cache: 0 hits" in first and os.listdir(cache), first
+    second = _load_in_fresh_process(tmp_path, manifest, AOTGRAD_COMPILATION_CACHE_DIR=cache)
+    assert " 0 misses" in second and "1 cases: bit-identical" in second, second
+    assert "persistent cache: 0 hits" not in second, second
+
+
+def test_compilation_cache_dir_option(tmp_path):
+    with pytest.raises(aotgrad.ConfigError, match="compilation_cache_dir must be a directory path or None"):
+        aotgrad.config.compilation_cache_dir = 3
+    assert aotgrad.config.compilation_cache_dir is None
+    assert ("compilation_cache_dir", None) not in aotgrad.config.snapshot().key  # changes no program
+
+
+def test_sharded_export_on_8_devices():
+    """tests/export_sharded_cases.py, in a process of its own with 8 simulated devices."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    run_module("export_sharded_cases.py", env, "sharded export cases")
