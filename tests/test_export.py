@@ -64,19 +64,17 @@ def _mlp():
 # ----------------------------------------------------------------------------- in this process
 
 @pytest.mark.parametrize("name", ROUND_TRIP)
-def test_round_trip_matches_jax_and_the_compiled_function(name):
+def test_round_trip_matches_jax(name):
+    """Values and gradients of the loaded programs against plain JAX (bit-identity with
+    the compiled function is checked in a fresh process, below)."""
     p = corpus.BY_NAME[name]
     args, kwargs = p.make_args(), (p.make_kwargs() if p.make_kwargs else {})
     nums = _argnums(p)
-    compiled = aotgrad.compile(p.fn)
-    loaded = aotgrad.deserialize(aotgrad.export(compiled, *args, argnums=nums, **kwargs).serialize())
+    loaded = aotgrad.deserialize(aotgrad.export(p.fn, *args, argnums=nums, **kwargs).serialize())
     got = export_loader.results(loaded, args, kwargs, nums)
     want = export_loader.results(p.fn, args, kwargs, nums, jit=True)  # plain JAX
     for g, w in zip(got["out"] + got["grads"], want["out"] + want["grads"]):
         np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=p.rtol, atol=p.atol)
-    assert _same_bits(got, export_loader.results(compiled, args, kwargs, nums))
-    assert _same_bits(export_loader.results(loaded, args, kwargs, nums, jit=True),
-                      export_loader.results(compiled, args, kwargs, nums, jit=True))
 
 
 def test_vjp_fwd_and_bwd_and_explain():
@@ -333,3 +331,4 @@ def test_sharded_export_on_8_devices():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     run_module("export_sharded_cases.py", env, "sharded export cases")
+
