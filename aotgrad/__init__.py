@@ -23,6 +23,10 @@ from aotgrad.autocast import register as register_autocast_policy
 from aotgrad.autocast import table as autocast_policy_table
 from aotgrad.config import ConfigError as ConfigError
 from aotgrad.config import config as config
+from aotgrad.export import Exported as Exported
+from aotgrad.export import ExportError as ExportError
+from aotgrad.export import deserialize as deserialize
+from aotgrad.export import export as export
 from aotgrad.loss_scale import DynamicLossScale as DynamicLossScale
 from aotgrad.loss_scale import all_finite as all_finite
 from aotgrad.loss_scale import select_tree as select_tree

@@ -9,25 +9,26 @@
 - name-stack scopes of equations (autocast markers) and wrapping functions as the
   params of `custom_jvp_call` / `custom_vjp_call` expect (to rewrite their rules);
 - the primitives that `jax.extend.core.primitives` does not export (collectives,
-  callbacks, key wrapping), which the partitioner's rule table names (`primitives`).
+  callbacks, key wrapping), which the partitioner's rule table names (`primitives`);
+- re-opening the persistent compilation cache after its directory changed.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import types
 from typing import Any, Callable, Iterator, Sequence
 
-import types
-
-from jax._src import callback, debugging, ffi, linear_util, shard_map, source_info_util, traceback_util
+from jax._src import (callback, compilation_cache, debugging, ffi, linear_util, shard_map, source_info_util,
+                      traceback_util)
 from jax._src.array import ArrayImpl
 from jax._src.core import Tracer, pvary_p
 from jax._src.lax import lax as _lax
 from jax._src.lax import linalg, parallel
 from jax._src.random import prng
 
-__all__ = ["ArrayImpl", "Tracer", "bind_eqn", "eqn_context", "name_scopes", "primitives", "source_line",
-           "wrap_like"]
+__all__ = ["ArrayImpl", "Tracer", "bind_eqn", "eqn_context", "name_scopes", "primitives",
+           "reset_compilation_cache", "source_line", "wrap_like"]
 
 # Primitives missing from `jax.extend.core.primitives`, by their public names' spelling.
 primitives = types.SimpleNamespace(
@@ -83,3 +84,9 @@ def eqn_context(eqn: Any) -> Iterator[None]:
 def wrap_like(fn: Callable[..., Any], like: Any) -> Any:
     """`fn` wrapped the way a `custom_jvp_call` / `custom_vjp_call` param `like` is."""
     return linear_util.wrap_init(fn, debug_info=like.debug_info)
+
+
+def reset_compilation_cache() -> None:
+    """JAX opens its persistent cache directory once per process; this makes the next
+    compilation open `jax_compilation_cache_dir` again (after aotgrad changed it)."""
+    compilation_cache.reset_cache()

@@ -17,6 +17,7 @@ from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_str
 
 from aotgrad._jax_internals import Tracer
 from aotgrad.autocast.context import current_setting
+from aotgrad.compilation_cache import ensure_compilation_cache
 from aotgrad.config import config
 from aotgrad.runtime import Entry, ProgramPair, Saved, Timings
 from aotgrad.signature import ArgSpec, CallKey, ArrayImpl, aval_key, describe_key_change, key_text, leaf_key
@@ -115,6 +116,7 @@ class AOTFunction:
 
     def _build(self, key: CallKey, snapshot: Any, n_args: int, leaves: list) -> Entry:
         """Cache miss: traces the forward and stores a new entry."""
+        ensure_compilation_cache()
         with self._lock:
             self._misses += 1
             last = self._last_key

@@ -167,6 +167,10 @@ _OPTIONS: dict[str, Option] = {o.name: o for o in (
            "Log (logger 'aotgrad') why a call missed the cache.", keyed=False),
     Option("debug_dir", None, _optional_path("debug_dir"), str,
            "Directory to dump each compilation's forward/backward jaxprs and lowered text.", keyed=False),
+    Option("compilation_cache_dir", None, _optional_path("compilation_cache_dir"), str,
+           "Directory of JAX's persistent compilation cache (process-wide), for every program "
+           "however small: a restarted process loads compiled programs instead of compiling.",
+           keyed=False),
 )}
 
 

@@ -1,0 +1,554 @@
+"""`aotgrad.export` / `aotgrad.deserialize`: a compiled forward/backward pair that outlives
+the process, loaded without the function's source.
+
+An `Exported` holds three `jax.export` programs (forward-only; forward, returning outputs
+and saved activations; backward, from the saved values and output cotangents to the
+differentiated inputs' cotangents), the values the function closed over, and what is
+needed to call them: the argument and output structures, which inputs are differentiated,
+the saved-value layout, and the `explain` report made when it was exported.
+
+The serialized form (`Exported.serialize()`) is a header and a payload:
+
+    b"AOTGRAD\\0"  format version (u32)  payload length (u64)  SHA-256 of the payload (32 bytes)
+    payload: metadata length (u32), metadata (UTF-8 JSON), then the sections the metadata
+             lists by name, offset and length: the three `jax.export` blobs, one per
+             program, and the raw bytes of each closed-over array
+
+No Python object is pickled: a blob is data, read with `json` and `jax.export.deserialize`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import struct
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax.extend.core import jaxpr_as_fun
+from jax.sharding import SingleDeviceSharding
+from jax.tree_util import tree_leaves, tree_structure, tree_unflatten
+
+from aotgrad._jax_internals import Tracer
+from aotgrad.api import AOTFunction, CacheInfo, Lowered, _Call, argnum_positions
+from aotgrad.compilation_cache import ensure_compilation_cache
+from aotgrad.config import config
+from aotgrad.partition.costs import nbytes as _nbytes
+from aotgrad.report import Memory, Report, SavedValue, _report
+from aotgrad.runtime import Entry, ProgramPair, Saved, Timings
+from aotgrad.autocast.rewrite import CastCounts
+from aotgrad.signature import ArgSpec, leaf_paths
+
+__all__ = ["ExportError", "Exported", "deserialize", "export"]
+
+MAGIC = b"AOTGRAD\0"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<8sIQ32s")  # magic, format version, payload length, SHA-256
+_PROGRAMS = ("forward_only", "forward", "backward")
+
+
+class ExportError(ValueError):
+    """An export that cannot be made, a blob that cannot be loaded, or a call that does not
+    match what was exported."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+    """What the runtime reads of a forward trace (`trace.ForwardTrace`), for loaded programs."""
+    consts: tuple[Any, ...]
+    in_avals: tuple[Any, ...]
+    out_avals: tuple[Any, ...]
+    out_tree: Any
+
+
+# ----------------------------------------------------------------------------- export
+
+def export(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
+           platforms: Sequence[str] | None = None, **kwargs: Any) -> "Exported":
+    """Builds the forward/backward pair of `fn(*args, **kwargs)` under the current
+    `aotgrad.config` and autocast state, and exports it with `jax.export`.
+
+    The result is called and differentiated like an `aotgrad.compile`d function, and
+    `.serialize()` turns it into bytes that `aotgrad.deserialize` loads in another process,
+    without `fn` or its module.
+
+    Arguments:
+        fn: an `aotgrad.compile`d function or a plain one.
+        *args, **kwargs: its arguments: arrays or `jax.ShapeDtypeStruct`s (with shardings for
+            a program over several devices; with `jax.export.symbolic_shape` dimensions for
+            a program of any batch size). Static arguments are fixed at their values here.
+        argnums: the positional arguments differentiated (as in `jax.grad`); by default
+            every floating-point input. Gradients for a subset are available after loading.
+        platforms: the platforms to lower for (`jax.export` names: "cpu", "cuda", "rocm",
+            "tpu"); by default the one this process runs on.
+    """
+    ensure_compilation_cache()
+    if isinstance(fn, Exported):
+        raise TypeError(f"aotgrad.export: {fn!r} is already exported; serialize it instead.")
+    f = fn if isinstance(fn, AOTFunction) else AOTFunction(fn)
+    who = f"aotgrad.export({f.name})"
+    options = config.snapshot()
+    for name in ("donate_saved", "detect_anomaly"):
+        if options[name]:
+            raise ExportError(f"{who}: aotgrad.config.{name}=True is not supported by export (its "
+                              f"backward is guarded by Python code that is not exported); export "
+                              f"under aotgrad.config.patch({name}=False).")
+    static, _, _ = f._spec.split(args, kwargs)
+    call = f._resolve(args, kwargs)
+    entry = call.entry
+    if any(isinstance(x, Tracer) for x in call.inputs):
+        raise ExportError(f"{who}: called under a JAX transformation (an argument or a closed-over "
+                          f"value is a tracer); export outside jax.jit / jax.grad, with arrays or "
+                          f"jax.ShapeDtypeStructs.")
+    positions = None
+    if argnums is not None:
+        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        positions = argnum_positions(who, nums, len(args))
+    try:
+        pair = entry.pair(entry.perturbed_for(positions), entry.default_has_ct())
+    except Exception as e:
+        if any(not _concrete(x.shape) for x in call.inputs):
+            raise ExportError(
+                f"{who}: building the programs with symbolic dimensions failed under "
+                f"partitioner={entry.strategy!r} ({type(e).__name__}: {e}). Export with concrete "
+                f"shapes, or under aotgrad.config.patch(partitioner='default').") from e
+        raise
+    programs = _export_programs(who, entry, pair, call.inputs, platforms)
+    meta = {
+        "name": f.name,
+        "param_names": list(f._spec.param_names),
+        "static_argnums": list(f._spec.static_argnums),
+        "static_argnames": list(f._spec.static_argnames),
+        "static": [[k, _encode_static(who, k, v)] for k, v in static],
+        "arg_positions": list(entry.arg_positions),
+        "leaf_args": list(entry.leaf_args),
+        "perturbed": list(pair.perturbed),
+        "has_ct": list(pair.has_ct),
+        "n_outs": pair.n_outs,
+        "saved_inputs": list(pair.split.saved_inputs),
+        "config": json.loads(json.dumps(options.as_dict(), default=str)),
+        "autocast": None if entry.fwd.autocast is None else dataclasses.asdict(entry.fwd.autocast),
+        "jax_version": jax.__version__,
+        "report": _report_meta(_report(f, call, pair, pair.timings, None)),
+    }
+    return Exported(meta, programs, tuple(entry.fwd.consts))
+
+
+def _concrete(shape: Sequence[Any]) -> bool:
+    return all(isinstance(d, (int, np.integer)) for d in shape)
+
+
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+    """The export spec of one input: its type, and its sharding when it spans devices."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None and (type(sharding) is SingleDeviceSharding or len(sharding.device_set) == 1):
+        sharding = None
+    aval = jax.typeof(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False),
+                                sharding=sharding)
+
+
+def _export_programs(who: str, entry: Entry, pair: ProgramPair, inputs: Sequence[Any],
+                     platforms: Sequence[str] | None) -> dict[str, Any]:
+    """The three `jax.export.Exported` programs. The forward-only one takes the pytree
+    arguments ((consts...), dyn_args, dyn_kwargs), so its blob records their structure."""
+    sp = pair.split
+    specs = [_spec(x) for x in inputs]
+    n = len(entry.fwd.consts)
+    out_tree, in_tree = entry.fwd.out_tree, entry.in_tree
+
+    def forward_only(consts: tuple, dyn_args: tuple, dyn_kwargs: dict) -> Any:
+        leaves = in_tree.flatten_up_to((dyn_args, dyn_kwargs))
+        return tree_unflatten(out_tree, entry.forward_only(*consts, *leaves))
+
+    def exported(fn: Any, *specs: Any) -> Any:
+        return jax.export.export(fn, platforms=platforms)(*specs)
+
+    dyn_args, dyn_kwargs = tree_unflatten(in_tree, specs[n:])
+    forward = jax.jit(jaxpr_as_fun(sp.forward))
+    programs = {"forward_only": exported(jax.jit(forward_only), tuple(specs[:n]), dyn_args, dyn_kwargs),
+                "forward": exported(forward, *specs)}
+    # The backward's inputs: saved activations, saved inputs, cotangents. Over several
+    # devices they take the shardings the compiled forward gives them, and the gradients
+    # take their inputs' shardings (as `runtime.ProgramPair` does).
+    bwd_shardings: list[Any] = [None] * len(sp.backward.in_avals)
+    grad_shardings = None
+    if any(s.sharding is not None for s in specs):
+        outs = forward.lower(*specs).compile().output_shardings
+        acts = list(outs[pair.n_outs:])
+        cts = [s for s, c in zip(outs[:pair.n_outs], pair.has_ct) if c]
+        bwd_shardings = acts + [specs[i].sharding for i in sp.saved_inputs] + cts
+        grad_shardings = [specs[i].sharding for i in pair.grad_inputs]
+    bwd_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                 for a, s in zip(sp.backward.in_avals, bwd_shardings)]
+    backward = jax.jit(jaxpr_as_fun(sp.backward), out_shardings=grad_shardings)
+    programs["backward"] = exported(backward, *bwd_specs)
+    return programs
+
+
+def _encode_static(who: str, key: Any, value: Any) -> Any:
+    """A static argument as JSON: None, bool, int, float, str, and tuples of those."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return {"tuple": [_encode_static(who, key, v) for v in value]}
+    raise ExportError(f"{who}: static argument {key!r} is a {type(value).__name__} ({value!r}); an "
+                      f"export records static arguments of type None, bool, int, float, str and "
+                      f"tuples of those. Pass it as one of those, or close over it.")
+
+
+def _decode_static(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(_decode_static(v) for v in value["tuple"])
+    return value
+
+
+_SHAPE_FREE = ("dtype", "is_input", "primitive", "source", "reason")  # SavedValue fields kept
+
+
+def _report_meta(report: Report) -> dict[str, Any]:
+    """The report, without shapes and byte counts (`explain` takes them from its arguments,
+    which may bind symbolic dimensions)."""
+    return {"partitioner": report.partitioner,
+            "saved": [{k: getattr(s, k) for k in _SHAPE_FREE} for s in report.saved],
+            "recomputed": [list(r) for r in report.recomputed],
+            "timings": dataclasses.asdict(report.timings),
+            "casts": {"forward": [list(c) for c in report.casts.forward],
+                      "backward": [list(c) for c in report.casts.backward]}}
+
+
+def _report_of(name: str, meta: dict[str, Any], avals: Sequence[Any], memory: Memory,
+               jaxprs: dict[str, Any], compile_seconds: float) -> Report:
+    """The exported report, with the saved values' types (`avals`) of one call."""
+    saved = tuple(SavedValue(shape=tuple(a.shape), nbytes=_nbytes(a), **s) for s, a in zip(meta["saved"], avals))
+    pairs = lambda rows: tuple((str(p), int(k)) for p, k in rows)  # noqa: E731
+    return Report(function=name, partitioner=meta["partitioner"], forward_jaxpr=jaxprs["forward"],
+                  backward_jaxpr=jaxprs["backward"], saved=saved,
+                  saved_bytes=sum(s.nbytes for s in saved if not s.is_input),
+                  saved_input_bytes=sum(s.nbytes for s in saved if s.is_input),
+                  recomputed=pairs(meta["recomputed"]),
+                  timings=Timings(**{**meta["timings"], "compile": compile_seconds}),
+                  casts=CastCounts(pairs(meta["casts"]["forward"]), pairs(meta["casts"]["backward"])),
+                  memory=memory)
+
+
+# ----------------------------------------------------------------------------- the loaded programs
+
+class _Pair:
+    """The exported forward and backward, seen by one differentiation pattern: `perturbed`
+    and `has_ct` are subsets of those exported (cotangents the pattern lacks are zeros,
+    gradients it does not ask for are dropped). Duck-types `runtime.ProgramPair` for the
+    `custom_vjp` rule and `fwd_and_bwd`."""
+
+    def __init__(self, entry: "_Entry", perturbed: tuple[bool, ...], has_ct: tuple[bool, ...]) -> None:
+        self.owner = entry.owner
+        self.entry = entry
+        self.perturbed = perturbed
+        self.has_ct = has_ct
+        self.in_avals = entry.fwd.in_avals
+        self.n_outs = len(entry.fwd.out_avals)
+        self.layouts: dict[object, Any] = {}
+        self._keep = [p for p, q in zip(perturbed, entry.exported_perturbed) if q]
+
+    def run_forward(self, inputs: Sequence[Any]) -> tuple[list[Any], Saved]:
+        results = self.entry.forward(*inputs)
+        saved = list(results[self.n_outs:])
+        saved.extend(inputs[i] for i in self.entry.saved_inputs)
+        return list(results[:self.n_outs]), Saved(saved, self)
+
+    def run_backward(self, saved: Saved, cts: Sequence[Any]) -> list[Any]:
+        given = iter(cts)
+        full = []
+        for j, (want, have) in enumerate(zip(self.entry.exported_has_ct, self.has_ct)):
+            if want:
+                aval = self.entry.fwd.out_avals[j]
+                full.append(next(given) if have else jax.numpy.zeros(aval.shape, aval.dtype))
+        grads = self.entry.backward(*saved.arrays, *full)
+        return [g for g, keep in zip(grads, self._keep) if keep]
+
+    def lower(self, inputs: Sequence[Any]) -> tuple[Any, Any, Timings]:
+        """Both programs lowered for these inputs (the backward for the saved values and
+        cotangents they give)."""
+        results = jax.eval_shape(self.entry.forward, *inputs)
+        outs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in results[:self.n_outs]]
+        specs = [*results[self.n_outs:], *(_spec(inputs[i]) for i in self.entry.saved_inputs),
+                 *(o for o, c in zip(outs, self.entry.exported_has_ct) if c)]
+        return self.entry.forward.lower(*inputs), self.entry.backward.lower(*specs), Timings()
+
+
+class _Entry(Entry):
+    """The loaded programs of one `Exported`, in the shape of a `runtime.Entry` (so that
+    `AOTFunction.__call__`, its `custom_vjp` rule and `fwd_and_bwd` run them)."""
+
+    def __init__(self, meta: dict[str, Any], programs: dict[str, Any], consts: tuple[Any, ...]) -> None:
+        fo = programs["forward_only"]
+        consts_tree, args_tree, kwargs_tree = fo.in_tree.children()[0].children()
+        self.owner = meta["name"]
+        self.programs = programs
+        self.fwd = _Forward(consts, tuple(fo.in_avals), tuple(fo.out_avals), fo.out_tree)
+        self.in_tree = _tuple_tree(args_tree, kwargs_tree)
+        self.arg_positions = tuple(meta["arg_positions"])
+        self.leaf_args = tuple(meta["leaf_args"])
+        self.options = meta["config"]
+        self.strategy = meta["report"]["partitioner"]
+        self.exported_perturbed = tuple(meta["perturbed"])
+        self.exported_has_ct = tuple(meta["has_ct"])
+        self.saved_inputs = tuple(meta["saved_inputs"])
+        fo_args = _tuple_tree(consts_tree, args_tree, kwargs_tree)
+        self.forward_only = jax.jit(lambda *flat: tree_leaves(fo.call(*tree_unflatten(fo_args, flat))))
+        self.forward = jax.jit(programs["forward"].call)
+        self.backward = jax.jit(programs["backward"].call)
+        self.pairs: dict[tuple[tuple[bool, ...], tuple[bool, ...]], _Pair] = {}
+        self.plans: dict[object, Any] = {}
+        self.paths = leaf_paths(_spec_of(meta), self.in_tree)
+        self.call = self._differentiable()
+
+    def pair(self, perturbed: tuple[bool, ...], has_ct: tuple[bool, ...]) -> _Pair:  # type: ignore[override]
+        key = (perturbed, has_ct)
+        pair = self.pairs.get(key)
+        if pair is None:
+            n = len(self.fwd.consts)
+            extra = [self.paths[i - n] for i, (p, q) in enumerate(zip(perturbed, self.exported_perturbed))
+                     if p and not q and i >= n]
+            if extra:
+                have = [self.paths[i - n] for i, q in enumerate(self.exported_perturbed) if q and i >= n]
+                raise ExportError(
+                    f"aotgrad.Exported({self.owner}): a gradient was asked for argument(s) "
+                    f"{', '.join(extra)}, which the export does not differentiate (it differentiates "
+                    f"{', '.join(have) or 'nothing'}). Export again with argnums naming them.")
+            pair = _Pair(self, perturbed, tuple(h and e for h, e in zip(has_ct, self.exported_has_ct)))
+            self.pairs[key] = pair
+        return pair
+
+
+def _tuple_tree(*trees: Any) -> Any:
+    """The structure of a tuple of these structures (in the default pytree registry)."""
+    return tree_structure(tuple(tree_unflatten(t, [0] * t.num_leaves) for t in trees))
+
+
+def _spec_of(meta: dict[str, Any]) -> ArgSpec:
+    return ArgSpec(meta["name"], tuple(meta["static_argnums"]), tuple(meta["static_argnames"]),
+                   tuple(meta["param_names"]))
+
+
+class Exported(AOTFunction):
+    """A forward/backward pair exported by `aotgrad.export` or loaded by `aotgrad.deserialize`.
+
+    Call it and differentiate it like the `aotgrad.compile`d function it came from (eager,
+    `jax.jit`, `jax.grad`, `jax.vjp`, `aotgrad.fwd_and_bwd`, `aotgrad.explain`), with
+    arguments of the exported structure, shapes and dtypes (and the same static values).
+    Its programs are fixed: `aotgrad.config` options that change programs do not apply to
+    them; `.config` and `.autocast` tell what they were built under.
+    """
+
+    def __init__(self, meta: dict[str, Any], programs: dict[str, Any], consts: tuple[Any, ...]) -> None:
+        self._meta = meta
+        self._programs = programs
+        self._spec = _spec_of(meta)
+        self._static = tuple((k, _decode_static(v)) for k, v in meta["static"])
+        self._entry = _Entry(meta, programs, consts)
+        self.__name__ = self.__qualname__ = self._spec.fn_name
+        self.__doc__ = Exported.__doc__
+
+    # ---------------------------------------------------------------- what it holds
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The `aotgrad.config` options in force when it was exported."""
+        return dict(self._meta["config"])
+
+    @property
+    def autocast(self) -> dict[str, str] | None:
+        """The autocast setting it was exported under (None: off)."""
+        return self._meta["autocast"]
+
+    @property
+    def platforms(self) -> tuple[str, ...]:
+        return tuple(self._programs["forward"].platforms)
+
+    @property
+    def in_tree(self) -> Any:
+        """The structure of `(args, kwargs)` it takes (static arguments excluded)."""
+        return self._entry.in_tree
+
+    @property
+    def in_avals(self) -> tuple[Any, ...]:
+        """The type of each argument leaf (closed-over values excluded)."""
+        return self._entry.fwd.in_avals[len(self._entry.fwd.consts):]
+
+    def serialize(self) -> bytes:
+        """The bytes `aotgrad.deserialize` loads: header, metadata, programs, constants."""
+        sections: dict[str, bytes] = {}
+        for name in _PROGRAMS:
+            try:
+                sections[name] = bytes(self._programs[name].serialize())
+            except (ValueError, TypeError) as e:
+                raise ExportError(f"aotgrad.Exported({self.name}).serialize: the argument or output "
+                                  f"structure cannot be stored: {e} (in the loading process too), or "
+                                  f"pass dicts, lists and tuples.") from e
+            except ImportError as e:
+                raise ExportError(f"aotgrad.Exported({self.name}).serialize needs the 'flatbuffers' "
+                                  f"package (pip install 'aotgrad[export]'): {e}") from e
+        consts = []
+        for i, c in enumerate(self._entry.fwd.consts):
+            if jax.dtypes.issubdtype(c.dtype, jax.dtypes.extended):
+                raise ExportError(f"aotgrad.Exported({self.name}).serialize: closed-over value {i} is "
+                                  f"a {c.dtype} array, which cannot be stored; pass it as an argument.")
+            data = np.ascontiguousarray(jax.device_get(c))
+            sections[f"const{i}"] = data.tobytes()
+            consts.append({"dtype": np.dtype(data.dtype).name, "shape": list(data.shape)})
+        return _pack({**self._meta, "consts": consts}, sections)
+
+    # ---------------------------------------------------------------- calling
+
+    def _resolve(self, args: tuple, kwargs: dict) -> _Call:
+        ensure_compilation_cache()
+        static, dyn_args, dyn_kwargs = self._spec.split(args, kwargs)
+        if static != self._static:
+            raise ExportError(f"aotgrad.Exported({self.name}): static arguments {dict(static)} differ "
+                              f"from those it was exported with, {dict(self._static)}; export again "
+                              f"for these values.")
+        leaves, in_tree = self._spec.flatten(dyn_args, dyn_kwargs)
+        entry = self._entry
+        if in_tree != entry.in_tree:
+            raise ExportError(f"aotgrad.Exported({self.name}): the arguments have structure {in_tree}; "
+                              f"it was exported for {entry.in_tree}. Call it with arguments of that "
+                              f"structure, or export again for this one.")
+        for path, leaf, want in zip(entry.paths, leaves, self.in_avals):
+            got = jax.typeof(leaf) if not isinstance(leaf, jax.ShapeDtypeStruct) else leaf
+            if got.dtype != want.dtype or not _fits(got.shape, want.shape):
+                raise ExportError(
+                    f"aotgrad.Exported({self.name}): argument {path} is {_text(got)}; it was exported "
+                    f"for {_text(want)}. Call it with that shape and dtype, or export again (with "
+                    f"jax.export.symbolic_shape dimensions for sizes that vary).")
+        return _Call(entry, (*entry.fwd.consts, *leaves))
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Lowers the exported forward and backward programs for these arguments."""
+        call = self._resolve(args, kwargs)
+        pair = call.entry.pair(call.entry.exported_perturbed, call.entry.exported_has_ct)
+        return Lowered(self.name, pair, *pair.lower(call.inputs))  # type: ignore[arg-type]
+
+    def explain(self, *args: Any, argnums: int | Sequence[int] | None = None, **kwargs: Any) -> Report:
+        """The report made when it was exported (saved values with their source lines,
+        recomputed primitives, casts), with XLA's memory analysis of the loaded programs."""
+        if argnums is not None:
+            nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+            positions = argnum_positions(f"aotgrad.explain({self.name})", nums, len(args))
+            asked = self._entry.perturbed_for(positions)
+            if asked != self._entry.exported_perturbed:
+                raise ExportError(f"aotgrad.explain({self.name}): argnums={argnums} differentiates other "
+                                  f"inputs than the exported programs; explain it without argnums.")
+        call = self._resolve(args, kwargs)
+        entry = self._entry
+        results = jax.eval_shape(entry.forward, *call.inputs)  # binds symbolic dimensions
+        avals = [*results[len(entry.fwd.out_avals):], *(call.inputs[i] for i in entry.saved_inputs)]
+        if not all(_concrete(a.shape) for a in avals):
+            raise ExportError(f"aotgrad.explain({self.name}): the export has symbolic dimensions; "
+                              f"explain it for arrays (or ShapeDtypeStructs) of concrete shapes.")
+        compiled = self.lower(*args, **kwargs).compile()
+        jaxprs = {name: jax.make_jaxpr(self._programs[name].call)(*self._programs[name].in_avals)
+                  for name in ("forward", "backward")}
+        return _report_of(self.name, self._meta["report"], avals, Memory.of(compiled), jaxprs,
+                          compiled.timings.compile)
+
+    def cache_info(self) -> CacheInfo:
+        return CacheInfo(1, len(self._entry.pairs), 0, 0)
+
+    def clear_cache(self) -> None:
+        """Nothing to clear: the programs are the export."""
+
+    def __repr__(self) -> str:
+        return f"aotgrad.Exported({self.name})"
+
+
+def _fits(got: Sequence[Any], want: Sequence[Any]) -> bool:
+    """Same rank, and equal wherever the exported dimension is a number."""
+    return len(got) == len(want) and all(
+        not isinstance(w, (int, np.integer)) or g == w for g, w in zip(got, want))
+
+
+def _text(aval: Any) -> str:
+    return f"{np.dtype(aval.dtype).name}[{', '.join(map(str, aval.shape))}]"
+
+
+# ----------------------------------------------------------------------------- the blob
+
+def _pack(meta: dict[str, Any], sections: dict[str, bytes]) -> bytes:
+    offset, table = 0, []
+    for name, data in sections.items():
+        table.append([name, offset, len(data)])
+        offset += len(data)
+    head = json.dumps({**meta, "sections": table}).encode()
+    payload = struct.pack("<I", len(head)) + head + b"".join(sections.values())
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, len(payload), hashlib.sha256(payload).digest()) + payload
+
+
+def _unpack(blob: bytes) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """Checks the header and the checksum; returns the metadata and the sections."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise TypeError(f"aotgrad.deserialize expects bytes (from Exported.serialize()); got "
+                        f"{type(blob).__name__}.")
+    blob = bytes(blob)
+    if len(blob) < _HEADER.size or not blob.startswith(MAGIC):
+        raise ExportError("aotgrad.deserialize: these bytes are not an aotgrad export (no aotgrad "
+                          "header); pass the bytes of Exported.serialize().")
+    _, version, length, digest = _HEADER.unpack_from(blob)
+    if version != FORMAT_VERSION:
+        raise ExportError(f"aotgrad.deserialize: the export has format version {version}; this aotgrad "
+                          f"reads format version {FORMAT_VERSION}. Export again with this aotgrad, or "
+                          f"load it with the aotgrad version that made it.")
+    payload = blob[_HEADER.size:]
+    if len(payload) != length:
+        raise ExportError(f"aotgrad.deserialize: the export is truncated or padded: its header says "
+                          f"{length} bytes of payload, found {len(payload)}. Copy the file again.")
+    if hashlib.sha256(payload).digest() != digest:
+        raise ExportError("aotgrad.deserialize: the export is corrupted (its checksum does not match "
+                          "its contents). Copy the file again, or export again.")
+    try:
+        (n,) = struct.unpack_from("<I", payload)
+        meta = json.loads(payload[4:4 + n].decode())
+        body = payload[4 + n:]
+        sections = {name: body[start:start + size] for name, start, size in meta.pop("sections")}
+    except (ValueError, TypeError, KeyError, struct.error) as e:
+        raise ExportError(f"aotgrad.deserialize: the export's metadata cannot be read ({e}).") from e
+    return meta, sections
+
+
+def deserialize(blob: bytes) -> Exported:
+    """Loads an `Exported` from the bytes of `Exported.serialize()`, in any process on the
+    platform it was exported for; the exported function's source is not needed.
+
+    Arguments:
+        blob: the bytes.
+    """
+    ensure_compilation_cache()
+    meta, sections = _unpack(blob)
+    try:
+        programs = {name: jax.export.deserialize(bytearray(sections[name])) for name in _PROGRAMS}
+    except ImportError as e:
+        raise ExportError(f"aotgrad.deserialize needs the 'flatbuffers' package "
+                          f"(pip install 'aotgrad[export]'): {e}") from e
+    except Exception as e:
+        raise ExportError(f"aotgrad.deserialize: the export's programs cannot be read: {e}. If the "
+                          f"pytrees hold types registered with jax.export.register_pytree_node_"
+                          f"serialization, register them in this process too, before loading.") from e
+    platform = jax.export.default_export_platform()
+    made_for = programs["forward"].platforms
+    if platform not in made_for:
+        raise ExportError(f"aotgrad.deserialize: {meta.get('name')} was exported for platform(s) "
+                          f"{list(made_for)}; this process runs on {platform!r}. Export it on "
+                          f"{platform!r}, or pass platforms=[..., {platform!r}] to aotgrad.export.")
+    devices = programs["forward"].nr_devices
+    if devices > jax.device_count():
+        raise ExportError(f"aotgrad.deserialize: {meta.get('name')} was exported for {devices} devices; "
+                          f"this process has {jax.device_count()}. Load it where as many devices are "
+                          f"visible, or export it for this device count.")
+    try:
+        consts = tuple(jax.numpy.asarray(np.frombuffer(sections[f"const{i}"], jax.numpy.dtype(c["dtype"]))
+                                         .reshape(c["shape"])) for i, c in enumerate(meta.pop("consts")))
+        return Exported(meta, programs, consts)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise ExportError(f"aotgrad.deserialize: the export's metadata is not what this aotgrad "
+                          f"writes ({type(e).__name__}: {e}).") from e
