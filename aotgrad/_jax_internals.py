@@ -7,7 +7,9 @@
   its module, since making an array to ask its type would start the backend at import,
   before a multi-host program can call `jax.distributed.initialize`);
 - name-stack scopes of equations (autocast markers) and wrapping functions as the
-  params of `custom_jvp_call` / `custom_vjp_call` expect (to rewrite their rules).
+  params of `custom_jvp_call` / `custom_vjp_call` expect (to rewrite their rules);
+- context states in JAX's jit cache key (as `jax.default_matmul_precision` is), so an
+  enclosing `jax.jit` retraces when aotgrad's program-changing state changes.
 """
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ import contextlib
 import os
 from typing import Any, Callable, Iterator, Sequence
 
+from jax._src import config as jax_config
 from jax._src import linear_util, source_info_util, traceback_util
 from jax._src.array import ArrayImpl
 from jax._src.core import Tracer
 
-__all__ = ["ArrayImpl", "Tracer", "bind_eqn", "eqn_context", "name_scopes", "source_line", "wrap_like"]
+__all__ = ["ArrayImpl", "Tracer", "bind_eqn", "eqn_context", "jit_key_state", "name_scopes", "source_line", "wrap_like"]
 
 traceback_util.register_exclusion(os.path.dirname(__file__))
 
@@ -63,3 +66,12 @@ def eqn_context(eqn: Any) -> Iterator[None]:
 def wrap_like(fn: Callable[..., Any], like: Any) -> Any:
     """`fn` wrapped the way a `custom_jvp_call` / `custom_vjp_call` param `like` is."""
     return linear_util.wrap_init(fn, debug_info=like.debug_info)
+
+
+def jit_key_state(name: str, default: Any) -> Any:
+    """A JAX context state in every jit cache key and trace context: `.value` reads it,
+    `.set_global(v)` sets the default, `.set_local(v)` / `.swap_local(v)` this thread's
+    value (values must be hashable). A change makes `jax.jit` trace again; a value seen
+    before hits its cache again."""
+    return jax_config.config_ext.Config(name, default, include_in_jit_key=True,
+                                        include_in_trace_context=True)

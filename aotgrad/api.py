@@ -16,8 +16,9 @@ import numpy as np
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_structure, tree_unflatten
 
 from aotgrad._jax_internals import Tracer
-from aotgrad.autocast.context import current_setting
-from aotgrad.config import config
+from aotgrad import jit_key
+from aotgrad.autocast.context import current_setting, current_state
+from aotgrad.config import config, keyed_only
 from aotgrad.runtime import Entry, ProgramPair, Saved, Timings
 from aotgrad.signature import ArgSpec, CallKey, ArrayImpl, aval_key, describe_key_change, key_text, leaf_key
 from aotgrad.trace import trace_forward
@@ -100,6 +101,7 @@ class AOTFunction:
         static, dyn_args, dyn_kwargs = self._spec.split(args, kwargs)
         leaves, in_tree = self._spec.flatten(dyn_args, dyn_kwargs)
         snapshot = config.snapshot()
+        jit_key.check(keyed_only(config._overrides.get()), current_state(), leaves, self.name)
         key = CallKey(static, in_tree, tuple(map(leaf_key, leaves)), snapshot.key, current_setting())
         entry = self._cache.get(key)  # hit path without the lock: dict reads are atomic
         if entry is not None:
