@@ -19,6 +19,7 @@ from aotgrad._jax_internals import Tracer
 from aotgrad import jit_key
 from aotgrad.autocast.context import current_setting, current_state
 from aotgrad.config import config, keyed_only
+from aotgrad.nnx import NnxCall, has_graph_nodes
 from aotgrad.runtime import Entry, ProgramPair, Saved, Timings
 from aotgrad.signature import ArgSpec, CallKey, ArrayImpl, aval_key, describe_key_change, key_text, leaf_key
 from aotgrad.trace import trace_forward
@@ -76,6 +77,8 @@ class AOTFunction:
         self._last_key: CallKey | None = None
         self._warned_eviction = False
         self._hits = self._misses = 0
+        self._nnx: Any = None  # an `nnx.NnxCall`, made on the first call with flax graph
+        # nodes among the arguments; False for the function an NnxCall traces (its Variables are leaves)
 
     @property
     def name(self) -> str:
@@ -84,6 +87,10 @@ class AOTFunction:
     # ---------------------------------------------------------------- calling
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._nnx is not False and has_graph_nodes(args, kwargs):
+            if self._nnx is None:
+                self._nnx = NnxCall(self)
+            return self._nnx(args, kwargs)
         call = self._resolve(args, kwargs)
         entry = call.entry
         if not any(isinstance(x, Tracer) for x in call.inputs):
