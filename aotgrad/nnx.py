@@ -65,7 +65,8 @@ class NnxCall:
             return out, extract.get_updates(current, snapshot)
 
         self.inner = AOTFunction(on_states, static_argnums=owner._spec.static_argnums,
-                                 static_argnames=owner._spec.static_argnames, donate_argnums=owner._donate)
+                                 static_argnames=owner._spec.static_argnames, donate_argnums=owner._donate,
+                                 python_scalars=owner._spec.python_scalars)
         self.inner._nnx = False
 
     def _check_structure(self, pure_args: tuple, pure_kwargs: dict, args: tuple, kwargs: dict) -> None:
