@@ -10,7 +10,9 @@
   params of `custom_jvp_call` / `custom_vjp_call` expect (to rewrite their rules);
 - the primitives that `jax.extend.core.primitives` does not export (collectives,
   callbacks, key wrapping), which the partitioner's rule table names (`primitives`);
-- re-opening the persistent compilation cache after its directory changed.
+- re-opening the persistent compilation cache after its directory changed;
+- context states in JAX's jit cache key (as `jax.default_matmul_precision` is), so an
+  enclosing `jax.jit` retraces when aotgrad's program-changing state changes.
 """
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 from jax._src import (callback, compilation_cache, debugging, ffi, linear_util, shard_map, source_info_util,
                       traceback_util)
+from jax._src import config as jax_config
 from jax._src.array import ArrayImpl
 from jax._src.core import Tracer, pvary_p
 from jax._src.lax import lax as _lax
 from jax._src.lax import linalg, parallel
 from jax._src.random import prng
 
-__all__ = ["ArrayImpl", "Tracer", "bind_eqn", "eqn_context", "name_scopes", "primitives",
+__all__ = ["ArrayImpl", "Tracer", "bind_eqn", "eqn_context", "jit_key_state", "name_scopes", "primitives",
            "reset_compilation_cache", "source_line", "wrap_like"]
 
 # Primitives missing from `jax.extend.core.primitives`, by their public names' spelling.
@@ -90,3 +93,12 @@ def reset_compilation_cache() -> None:
     """JAX opens its persistent cache directory once per process; this makes the next
     compilation open `jax_compilation_cache_dir` again (after aotgrad changed it)."""
     compilation_cache.reset_cache()
+
+
+def jit_key_state(name: str, default: Any) -> Any:
+    """A JAX context state in every jit cache key and trace context: `.value` reads it,
+    `.set_global(v)` sets the default, `.set_local(v)` / `.swap_local(v)` this thread's
+    value (values must be hashable). A change makes `jax.jit` trace again; a value seen
+    before hits its cache again."""
+    return jax_config.config_ext.Config(name, default, include_in_jit_key=True,
+                                        include_in_trace_context=True)

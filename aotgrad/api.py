@@ -16,11 +16,14 @@ import numpy as np
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_structure, tree_unflatten
 
 from aotgrad._jax_internals import Tracer
-from aotgrad.autocast.context import current_setting
+from aotgrad import jit_key
+from aotgrad.autocast.context import current_setting, current_state
 from aotgrad.compilation_cache import ensure_compilation_cache
-from aotgrad.config import config
+from aotgrad.config import config, keyed_only
+from aotgrad.nnx import NnxCall, has_graph_nodes
 from aotgrad.runtime import Entry, ProgramPair, Saved, Timings
-from aotgrad.signature import ArgSpec, CallKey, ArrayImpl, aval_key, describe_key_change, key_text, leaf_key
+from aotgrad.signature import (ArgSpec, CallKey, ArrayImpl, Static, aval_key, describe_key_change, key_text,
+                               leaf_key, leaf_paths, static_leaves, unwrap_static)
 from aotgrad.trace import trace_forward
 
 __all__ = ["AOTFunction", "CacheInfo", "Compiled", "Lowered", "compile", "fwd_and_bwd"]
@@ -60,12 +63,12 @@ class AOTFunction:
 
     def __init__(self, fn: Callable, *, static_argnums: int | Sequence[int] = (),
                  static_argnames: str | Sequence[str] = (),
-                 donate_argnums: int | Sequence[int] = ()) -> None:
+                 donate_argnums: int | Sequence[int] = (), python_scalars: str = "traced") -> None:
         if not callable(fn):
             raise TypeError(f"aotgrad.compile expects a callable; got {type(fn).__name__} ({fn!r}).")
         functools.update_wrapper(self, fn)
         self._fn = fn
-        self._spec = ArgSpec.of(fn, static_argnums, static_argnames)
+        self._spec = ArgSpec.of(fn, static_argnums, static_argnames, python_scalars)
         self._donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         clash = set(self._donate) & set(self._spec.static_argnums)
         if clash:
@@ -75,7 +78,10 @@ class AOTFunction:
         self._lock = threading.Lock()
         self._last_key: CallKey | None = None
         self._warned_eviction = False
+        self._noted_identity = False
         self._hits = self._misses = 0
+        self._nnx: Any = None  # an `nnx.NnxCall`, made on the first call with flax graph
+        # nodes among the arguments; False for the function an NnxCall traces (its Variables are leaves)
 
     @property
     def name(self) -> str:
@@ -84,6 +90,10 @@ class AOTFunction:
     # ---------------------------------------------------------------- calling
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._nnx is not False and has_graph_nodes(args, kwargs):
+            if self._nnx is None:
+                self._nnx = NnxCall(self)
+            return self._nnx(args, kwargs)
         call = self._resolve(args, kwargs)
         entry = call.entry
         if not any(isinstance(x, Tracer) for x in call.inputs):
@@ -101,6 +111,7 @@ class AOTFunction:
         static, dyn_args, dyn_kwargs = self._spec.split(args, kwargs)
         leaves, in_tree = self._spec.flatten(dyn_args, dyn_kwargs)
         snapshot = config.snapshot()
+        jit_key.check(keyed_only(config._overrides.get()), current_state(), leaves, self.name)
         key = CallKey(static, in_tree, tuple(map(leaf_key, leaves)), snapshot.key, current_setting())
         entry = self._cache.get(key)  # hit path without the lock: dict reads are atomic
         if entry is not None:
@@ -124,9 +135,10 @@ class AOTFunction:
             logger.warning("aotgrad: compiling %s again: %s", self.name,
                            "; ".join(describe_key_change(self._spec, last, key)))
         static, in_tree = key.static, key.in_tree
+        self._note_identity_keys(key, snapshot)
 
         def flat_fn(*flat: Any) -> Any:
-            dyn_args, dyn_kwargs = tree_unflatten(in_tree, flat)
+            dyn_args, dyn_kwargs = unwrap_static(tree_unflatten(in_tree, flat))
             a, k = self._spec.merge(static, dyn_args, dyn_kwargs)
             return self._fn(*a, **k)
 
@@ -150,6 +162,22 @@ class AOTFunction:
                         f"Set aotgrad.config.log_recompiles = True to see why calls miss the cache, "
                         f"or raise aotgrad.config.cache_size_limit.", stacklevel=5)
         return entry
+
+    def _note_identity_keys(self, key: CallKey, snapshot: Any) -> None:
+        """Once per function, with `log_recompiles`: which static values are unhashable and
+        therefore keyed by identity."""
+        if self._noted_identity or not snapshot["log_recompiles"]:
+            return
+        tree = tree_unflatten(key.in_tree, [0] * key.in_tree.num_leaves)
+        found = [f"argument {self._spec.arg_name(k) if isinstance(k, int) else k}" for k, v in key.static
+                 if isinstance(v, Static)]
+        found += [f"argument {path}" for path, (_, v) in
+                  zip(leaf_paths(self._spec, key.in_tree, static=True), static_leaves(tree)) if v.by_identity]
+        if found:
+            self._noted_identity = True
+            logger.warning("aotgrad: %s: %s not hashable, so the cache is keyed on the object's "
+                           "identity: passing another object, even an equal one, compiles again.",
+                           self.name, ", ".join(found) + (" is" if len(found) == 1 else " are"))
 
     # ---------------------------------------------------------------- ahead of time
 
@@ -184,27 +212,38 @@ class AOTFunction:
         return f"aotgrad.compile({self.name})"
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        # Decorating a method: bind `self` like a function would.
+        # Decorating a method: bind `self` as the first argument. A plain object is a
+        # non-array leaf, hence static (keyed by hash, else identity); a pytree `self`
+        # (an equinox module) has its arrays traced like any argument.
         return self if obj is None else functools.partial(self, obj)
 
 
 def compile(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
             static_argnames: str | Sequence[str] = (),
-            donate_argnums: int | Sequence[int] = ()) -> Any:
+            donate_argnums: int | Sequence[int] = (), python_scalars: str = "traced") -> Any:
     """Compiles `fn` ahead of time into separate forward and backward XLA programs.
 
     Usable bare (``@aotgrad.compile``) or with arguments
     (``@aotgrad.compile(static_argnums=1)``).
 
+    Arguments are pytrees. Their array leaves (and, as in `jax.jit`, Python scalars) are
+    traced; every other leaf (a function, a string, an arbitrary object) is static: part of
+    the cache key by hash, else by identity. So a whole model (an equinox module with an
+    activation function field) can be passed as is. On a method, `self` is bound as the
+    first argument under the same rule.
+
     Arguments:
         fn: a function of arrays (and pytrees of arrays) written with `jax.numpy` / `jax.lax`.
-        static_argnums: positional arguments that are hashable configuration, not arrays.
-        static_argnames: keyword arguments that are hashable configuration.
+        static_argnums: positional arguments that are configuration, not arrays (keyed by
+            hash, else by identity).
+        static_argnames: keyword arguments that are configuration.
         donate_argnums: positional arguments whose buffers the forward-only program may reuse.
+        python_scalars: "traced" (default, as `jax.jit`) or "static" (as `eqx.filter_jit`:
+            Python bool/int/float/complex leaves are part of the cache key).
     """
     def wrap(f: Callable) -> AOTFunction:
         return AOTFunction(f, static_argnums=static_argnums, static_argnames=static_argnames,
-                           donate_argnums=donate_argnums)
+                           donate_argnums=donate_argnums, python_scalars=python_scalars)
     return wrap if fn is None else wrap(fn)
 
 
@@ -296,6 +335,9 @@ def fwd_and_bwd(fn: Callable, argnums: int | Sequence[int] = 0,
         else:
             per_arg = [tree_unflatten(tree, [grads[k] if isinstance(k, int) else k for k in picks])
                        for tree, picks in layout.args]
+        if layout.has_static:  # non-array leaves get None, as in eqx.filter_grad
+            per_arg = [jax.tree.map(lambda x: None if isinstance(x, Static) else x, a,
+                                    is_leaf=lambda x: isinstance(x, Static)) for a in per_arg]
         return per_arg[0] if single else tuple(per_arg)
 
     return fwd, bwd
@@ -337,6 +379,7 @@ class _GradLayout:
     ct_keys: tuple[Any, ...]  # leaf_key of each output leaf
     contiguous: tuple[tuple[Any, int, int], ...] | None  # (treedef, start, end) when every
     # pick is an index and the picks are 0, 1, 2, ... in order
+    has_static: bool  # an argument tree holds `Static` markers (non-array leaves)
 
     @property
     def single_ct(self) -> bool:
@@ -366,7 +409,8 @@ class _GradLayout:
         if all(isinstance(k, int) for k in flat) and flat == list(range(len(flat))):
             bounds = itertools.accumulate(len(picks) for _, picks in args)
             contiguous = tuple((tree, end - len(picks), end) for (tree, picks), end in zip(args, bounds))
-        return cls(tuple(args), out_tree, paths, keys, contiguous)
+        has_static = any(static_leaves(tree_unflatten(tree, [0] * tree.num_leaves)) for tree, _ in args)
+        return cls(tuple(args), out_tree, paths, keys, contiguous, has_static)
 
 
 def _check_cotangent(name: str, pair: ProgramPair, layout: _GradLayout, ct: Any) -> list[Any]:

@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
+from aotgrad import jit_key
+
 __all__ = ["Config", "ConfigError", "Snapshot", "config"]
 
 
@@ -193,6 +195,12 @@ class Snapshot:
         return dict(self.values)
 
 
+@functools.lru_cache(maxsize=256)
+def keyed_only(pairs: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    """The (name, value) pairs of options that change programs."""
+    return tuple((n, v) for n, v in pairs if _OPTIONS[n].keyed)
+
+
 def _unknown(name: str) -> ConfigError:
     return ConfigError(f"aotgrad.config has no option {name!r}; valid options are {sorted(_OPTIONS)}.")
 
@@ -222,6 +230,7 @@ class Config:
         object.__setattr__(self, "_version", 0)
         object.__setattr__(self, "_overrides", contextvars.ContextVar("aotgrad_config_overrides", default=()))
         object.__setattr__(self, "_snapshots", {})
+        jit_key.set_defaults(keyed_only(tuple(defaults.items())))
 
     def snapshot(self) -> Snapshot:
         """The effective options for the current context (cheap: cached per state)."""
@@ -252,6 +261,7 @@ class Config:
         with self._lock:
             self._defaults[name] = parsed
             object.__setattr__(self, "_version", self._version + 1)
+            jit_key.set_defaults(keyed_only(tuple(self._defaults.items())))
 
     def patch(self, **overrides: Any) -> "_Patch":
         """Overrides options inside a ``with`` block or a decorated function.
@@ -284,10 +294,12 @@ class _Patch:
     def __enter__(self) -> Config:
         var = self._cfg._overrides
         self._tokens.append(var.set(var.get() + self._overrides))
+        jit_key.set_overrides(keyed_only(var.get()))
         return self._cfg
 
     def __exit__(self, *exc: object) -> None:
         self._cfg._overrides.reset(self._tokens.pop())
+        jit_key.set_overrides(keyed_only(self._cfg._overrides.get()))
 
     def __call__(self, fn: Callable) -> Callable:
         @functools.wraps(fn)

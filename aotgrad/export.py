@@ -95,7 +95,7 @@ def export(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
                               f"backward is guarded by Python code that is not exported); export "
                               f"under aotgrad.config.patch({name}=False).")
     static, _, _ = f._spec.split(args, kwargs)
-    call = f._resolve(args, kwargs)
+    call, paths = f.resolved(args, kwargs)
     entry = call.entry
     if any(isinstance(x, Tracer) for x in call.inputs):
         raise ExportError(f"{who}: called under a JAX transformation (an argument or a closed-over "
@@ -120,6 +120,7 @@ def export(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
         "param_names": list(f._spec.param_names),
         "static_argnums": list(f._spec.static_argnums),
         "static_argnames": list(f._spec.static_argnames),
+        "python_scalars": f._spec.python_scalars,
         "static": [[k, _encode_static(who, k, v)] for k, v in static],
         "arg_positions": list(entry.arg_positions),
         "leaf_args": list(entry.leaf_args),
@@ -130,7 +131,7 @@ def export(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
         "config": json.loads(json.dumps(options.as_dict(), default=str)),
         "autocast": None if entry.fwd.autocast is None else dataclasses.asdict(entry.fwd.autocast),
         "jax_version": jax.__version__,
-        "report": _report_meta(_report(f, call, pair, pair.timings, None)),
+        "report": _report_meta(_report(f, call, paths, pair, pair.timings, None)),
     }
     return Exported(meta, programs, tuple(entry.fwd.consts))
 
@@ -329,7 +330,7 @@ def _tuple_tree(*trees: Any) -> Any:
 
 def _spec_of(meta: dict[str, Any]) -> ArgSpec:
     return ArgSpec(meta["name"], tuple(meta["static_argnums"]), tuple(meta["static_argnames"]),
-                   tuple(meta["param_names"]))
+                   tuple(meta["param_names"]), meta["python_scalars"])
 
 
 class Exported(AOTFunction):
@@ -348,6 +349,7 @@ class Exported(AOTFunction):
         self._spec = _spec_of(meta)
         self._static = tuple((k, _decode_static(v)) for k, v in meta["static"])
         self._entry = _Entry(meta, programs, consts)
+        self._nnx = False  # its arguments are the exported leaves: no graph nodes to split
         self.__name__ = self.__qualname__ = self._spec.fn_name
         self.__doc__ = Exported.__doc__
 

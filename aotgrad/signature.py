@@ -12,7 +12,7 @@ from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unf
 
 from aotgrad._jax_internals import ArrayImpl, Tracer
 
-__all__ = ["ArgSpec", "CallKey", "aval_key", "check_output_leaves", "describe_key_change", "key_text",
+__all__ = ["ArgSpec", "CallKey", "Static", "aval_key", "check_output_leaves", "describe_key_change", "key_text",
            "leaf_key", "leaf_paths"]
 
 _SCALARS = (bool, int, float, complex, np.generic)
@@ -20,6 +20,56 @@ _SCALARS = (bool, int, float, complex, np.generic)
 
 def _is_array_like(x: Any) -> bool:
     return type(x) is ArrayImpl or isinstance(x, (jax.Array, np.ndarray, Tracer, jax.ShapeDtypeStruct, *_SCALARS))
+
+
+_ARRAYS = (jax.Array, np.ndarray, np.generic, Tracer, jax.ShapeDtypeStruct)
+_PY_SCALARS = (bool, int, float, complex)
+PYTHON_SCALARS = ("traced", "static")
+
+
+class Static:
+    """A value kept out of tracing and put in the cache key: compared by (type, value) when
+    hashable, else by identity (another object, even an equal one, compiles again). As a
+    pytree node it has no children, so a tree holding it flattens to its traced leaves
+    only, and its treedef carries the value."""
+    __slots__ = ("value", "by_identity", "_key")
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        try:
+            self._key: Any = (type(value), hash(value))
+            self.by_identity = False
+        except TypeError:
+            self._key = id(value)
+            self.by_identity = True
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Static) or self._key != other._key:
+            return False
+        if self.by_identity or other.by_identity:
+            return self.value is other.value
+        return type(self.value) is type(other.value) and bool(self.value == other.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+jax.tree_util.register_pytree_node(Static, lambda s: ((), s), lambda s, _: s)
+
+
+def unwrap_static(tree: Any) -> Any:
+    """`tree` with every `Static` marker replaced by its value."""
+    return jax.tree.map(lambda x: x.value if isinstance(x, Static) else x, tree,
+                        is_leaf=lambda x: isinstance(x, Static))
+
+
+def static_leaves(tree: Any) -> list[tuple[str, Static]]:
+    """(readable path, marker) of every `Static` marker in `tree`."""
+    flat = tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, Static))[0]
+    return [(keystr(path), x) for path, x in flat if isinstance(x, Static)]
 
 
 def _describe(x: Any) -> str:
@@ -69,10 +119,11 @@ class ArgSpec:
     static_argnums: tuple[int, ...]
     static_argnames: tuple[str, ...]
     param_names: tuple[str, ...]  # positional parameter names, for messages
+    python_scalars: str = "traced"  # or "static": Python bool/int/float/complex leaves
 
     @classmethod
     def of(cls, fn: Callable, static_argnums: int | Sequence[int],
-           static_argnames: str | Sequence[str]) -> "ArgSpec":
+           static_argnames: str | Sequence[str], python_scalars: str = "traced") -> "ArgSpec":
         nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
         names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
         try:
@@ -85,7 +136,10 @@ class ArgSpec:
         nums = tuple(sorted(set(nums) | {i for i, n in enumerate(param_names) if n in names}))
         names = tuple(sorted(set(names) | {param_names[i] for i in nums if 0 <= i < len(param_names)}))
         fn_name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-        return cls(fn_name, nums, names, param_names)
+        if python_scalars not in PYTHON_SCALARS:
+            raise ValueError(f"aotgrad.compile({fn_name}): python_scalars must be one of "
+                             f"{list(PYTHON_SCALARS)}; got {python_scalars!r}.")
+        return cls(fn_name, nums, names, param_names, python_scalars)
 
     def arg_name(self, i: int) -> str:
         return self.param_names[i] if i < len(self.param_names) else f"args[{i}]"
@@ -118,15 +172,13 @@ class ArgSpec:
                 f"pass arrays as ordinary (dynamic) arguments.")
         try:
             hash(value)
-        except TypeError:
-            raise TypeError(
-                f"aotgrad.compile({self.fn_name}): {what} as static, but its value "
-                f"{_describe(value)} is not hashable. Static arguments must be hashable "
-                f"(use a tuple instead of a list, a frozen dataclass instead of a dict).") from None
+        except TypeError:  # keyed by identity
+            return Static(value)
         return value
 
     def merge(self, static: tuple, dyn_args: Sequence, dyn_kwargs: dict) -> tuple[tuple, dict]:
         """Inverse of `split`."""
+        static = tuple((k, v.value if isinstance(v, Static) else v) for k, v in static)
         pos = {k: v for k, v in static if isinstance(k, int)}
         n = len(dyn_args) + len(pos)
         it = iter(dyn_args)
@@ -135,30 +187,33 @@ class ArgSpec:
         kwargs.update({k: v for k, v in static if isinstance(k, str)})
         return args, kwargs
 
+    def traced(self, leaf: Any) -> bool:
+        """Arrays are traced, and Python scalars unless `python_scalars="static"`."""
+        return (type(leaf) is ArrayImpl or isinstance(leaf, _ARRAYS)
+                or (self.python_scalars == "traced" and isinstance(leaf, _PY_SCALARS)))
+
     def flatten(self, dyn_args: tuple, dyn_kwargs: dict) -> tuple[list, Any]:
-        """Flattens dynamic arguments; every leaf must be an array or a scalar."""
+        """Flattens dynamic arguments into their traced leaves; every other leaf (functions,
+        strings, arbitrary objects) becomes a `Static` marker in the tree structure."""
         leaves, tree = tree_flatten((dyn_args, dyn_kwargs))
-        for i, leaf in enumerate(leaves):
-            if not _is_array_like(leaf):
-                path = leaf_paths(self, tree, dyn_args, dyn_kwargs)[i]
-                raise TypeError(
-                    f"aotgrad.compile({self.fn_name}): argument {path} is a {_describe(leaf)}; "
-                    f"expected a jax.Array, a numpy array or a Python scalar. Mark the argument "
-                    f"static (static_argnums / static_argnames) if it is configuration, or "
-                    f"register its type as a pytree.")
-        return leaves, tree
+        if all(map(self.traced, leaves)):
+            return leaves, tree
+        marked = [x if self.traced(x) else Static(x) for x in leaves]
+        return tree_flatten(tree_unflatten(tree, marked))
 
 
-def leaf_paths(spec: ArgSpec, tree: Any, dyn_args: tuple | None = None,
-               dyn_kwargs: dict | None = None) -> list[str]:
-    """Readable paths (``params['w']``, ``batch[0]``) of the dynamic leaves."""
-    if dyn_args is None:
-        dyn_args, dyn_kwargs = tree_unflatten(tree, [0] * tree.num_leaves)
+def leaf_paths(spec: ArgSpec, tree: Any, static: bool = False) -> list[str]:
+    """Readable paths (``params['w']``, ``batch[0]``) of the traced leaves (with `static`:
+    of the `Static` markers)."""
+    dyn_args, dyn_kwargs = tree_unflatten(tree, [0] * tree.num_leaves)
     # Map positions among dynamic args back to positions among all args.
     dyn_positions = [i for i in range(len(dyn_args) + len(spec.static_argnums))
                      if i not in spec.static_argnums][:len(dyn_args)]
     paths = []
-    for path, _ in tree_flatten_with_path((dyn_args, dyn_kwargs))[0]:
+    flat = tree_flatten_with_path((dyn_args, dyn_kwargs), is_leaf=lambda x: isinstance(x, Static))[0]
+    for path, leaf in flat:
+        if isinstance(leaf, Static) != static:
+            continue
         head, rest = path[0].idx, path[1:]
         if head == 0:
             name = spec.arg_name(dyn_positions[rest[0].idx])
@@ -182,7 +237,14 @@ def describe_key_change(spec: ArgSpec, old: CallKey, new: CallKey) -> list[str]:
     """Why `new` missed the cache, relative to the most recently used key `old`."""
     reasons = []
     if old.in_tree != new.in_tree:
-        reasons.append(f"argument structure changed: {old.in_tree} -> {new.in_tree}")
+        olds, news = (static_leaves(tree_unflatten(k.in_tree, [0] * k.in_tree.num_leaves))
+                      for k in (old, new))
+        if [p for p, _ in olds] == [p for p, _ in news] and olds != news:
+            paths = leaf_paths(spec, new.in_tree, static=True)
+            reasons += [f"static argument leaf {path} changed: {a!r} -> {b!r}"
+                        for path, (_, a), (_, b) in zip(paths, olds, news) if a != b]
+        else:
+            reasons.append(f"argument structure changed: {old.in_tree} -> {new.in_tree}")
     else:
         paths = leaf_paths(spec, new.in_tree)
         for path, a, b in zip(paths, old.leaves, new.leaves):

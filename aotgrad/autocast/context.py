@@ -17,6 +17,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from aotgrad import jit_key
 from aotgrad._jax_internals import name_scopes
 
 __all__ = ["DEFAULT_DTYPES", "DEVICE_TYPES", "DTYPES", "AutocastState", "Setting", "autocast",
@@ -72,6 +73,7 @@ class AutocastState:
 
 _STATE: contextvars.ContextVar[AutocastState] = contextvars.ContextVar("aotgrad_autocast",
                                                                        default=AutocastState())
+jit_key.set_autocast_default(AutocastState())  # an enclosing jax.jit is keyed on the state
 
 
 def current_state() -> AutocastState:
@@ -177,12 +179,14 @@ class autocast:
         scope = contextlib.ExitStack()
         scope.enter_context(jax.named_scope(state.setting.marker if state.setting else OFF_MARKER))
         self._stack.append((token, scope))
+        jit_key.set_autocast(state)
         return state
 
     def __exit__(self, *exc: object) -> None:
         token, scope = self._stack.pop()
         scope.close()
         _STATE.reset(token)
+        jit_key.set_autocast(_STATE.get())
 
     def __call__(self, fn: Callable) -> Callable:
         if not callable(fn):

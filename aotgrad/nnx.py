@@ -1,0 +1,106 @@
+"""Flax NNX graph nodes (modules, `nnx.Rngs`, variables) as arguments of a compiled function.
+
+Done as `nnx.jit` does it, with flax's own helpers (`flax.nnx.extract`): outside the call,
+each graph node becomes a tree of its graph definition (static, part of the cache key) and
+its state (the arrays, traced). The traced function rebuilds the nodes from the state,
+runs (BatchNorm moves its statistics, Dropout advances its RNG counter) and returns, next
+to the output, the value of every `Variable` it changed; after the call those values are
+written back into the caller's objects. Variables that did not change are not returned,
+so a module read under an enclosing trace stays untouched, as in plain nnx.
+
+flax is imported only once a call passes a graph node, which needs flax imported already.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import TYPE_CHECKING, Any
+
+import jax
+from jax.tree_util import keystr
+
+if TYPE_CHECKING:
+    from aotgrad.api import AOTFunction
+
+__all__ = ["NnxCall", "has_graph_nodes"]
+
+
+def _is_node(x: Any) -> bool:
+    from flax.nnx import graphlib, variablelib
+    return graphlib.is_graph_node(x) or isinstance(x, variablelib.Variable)
+
+
+def has_graph_nodes(args: tuple, kwargs: dict) -> bool:
+    """Whether any argument leaf is an nnx graph node or Variable (False without flax)."""
+    if "flax.nnx" not in sys.modules:
+        return False
+    return any(map(_is_node, jax.tree.leaves((args, kwargs), is_leaf=_is_node)))
+
+
+def _graphdefs(tree: Any) -> list[tuple[str, Any]]:
+    from flax.nnx import extract
+    return [(keystr(path), node.graphdef) for path, node in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, extract.TreeState))[0] if isinstance(node, extract.TreeState)]
+
+
+class NnxCall:
+    """Calls one compiled function whose arguments hold graph nodes: the function aotgrad
+    traces takes the nodes' states and returns (output, updated Variables)."""
+
+    def __init__(self, owner: "AOTFunction") -> None:
+        from aotgrad.api import AOTFunction
+        self.name = owner.name
+        self._spec = owner._spec
+        fn = owner._fn
+
+        @functools.wraps(fn)
+        def on_states(*pure_args: Any, **pure_kwargs: Any) -> Any:
+            from flax.nnx import extract
+            pure_args, pure_kwargs = extract.copy_var_structure((pure_args, pure_kwargs))
+            current, snapshot = extract.snapshot(extract.labeled(args=pure_args, kwargs=pure_kwargs))
+            args, kwargs = extract.from_tree2((pure_args, pure_kwargs))
+            out = extract.to_tree2(fn(*args, **kwargs))
+            extract.check_no_aliases("jit", **current, out=out, check=["out"])
+            self._check_structure(pure_args, pure_kwargs, args, kwargs)
+            return out, extract.get_updates(current, snapshot)
+
+        self.inner = AOTFunction(on_states, static_argnums=owner._spec.static_argnums,
+                                 static_argnames=owner._spec.static_argnames, donate_argnums=owner._donate,
+                                 python_scalars=owner._spec.python_scalars)
+        self.inner._nnx = False
+
+    def _check_structure(self, pure_args: tuple, pure_kwargs: dict, args: tuple, kwargs: dict) -> None:
+        """Only Variable values are written back: a changed graph (a new attribute or
+        Variable, a changed static field) would be lost, so it is an error."""
+        from flax.nnx import extract
+        before = _graphdefs((pure_args, pure_kwargs))
+        after = _graphdefs(extract.to_tree2(extract.clear_non_graph_nodes((args, kwargs))))
+        for (path, old), (_, new) in zip(before, after):
+            if old != new:
+                raise ValueError(
+                    f"aotgrad.compile({self.name}): the function changed the structure of the graph "
+                    f"node in argument {path} (an attribute or Variable added, removed or replaced, "
+                    f"or a static field changed). Only Variable values are written back to the "
+                    f"caller's objects; make structural changes outside the compiled function.")
+
+    def _where(self, path: tuple) -> str:
+        """``model['bn']['mean']`` for a path (args|kwargs, position|name, __state__, keys...)."""
+        kind, head, *rest = path
+        name = self._spec.arg_name(head.idx) if kind.name == "args" else str(head.key)
+        return name + keystr(tuple(k for k in rest if getattr(k, "name", None) != "__state__"))
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        from flax.nnx import extract
+        pure_args, pure_kwargs = extract.to_tree2((args, kwargs))
+        variables = extract.check_no_aliases("jit", args=pure_args, kwargs=pure_kwargs)
+        out, updates = self.inner(*pure_args, **pure_kwargs)
+        for group in updates:
+            for path, update in group:
+                try:
+                    variables[path].update_from_state(update)
+                except Exception as e:  # e.g. a Variable of an enclosing trace's caller
+                    raise ValueError(
+                        f"aotgrad.compile({self.name}): cannot write the new value of the "
+                        f"{type(update).__name__} at {self._where(path)} back into the caller's "
+                        f"object: {e}") from e
+        return extract.from_tree2(out)
