@@ -25,7 +25,7 @@ from aotgrad.partition import JointGraph, Split, partition, scan_rules
 from aotgrad.signature import ArrayImpl
 from aotgrad.trace import ForwardTrace, differentiable, trace_joint
 
-__all__ = ["Entry", "ProgramPair", "Saved", "Timings"]
+__all__ = ["Backward", "Entry", "GuardedBackward", "ProgramPair", "Saved", "Timings"]
 
 logger = logging.getLogger("aotgrad")
 _dump_counter = itertools.count()
@@ -71,13 +71,11 @@ class ProgramPair:
         self.layouts: dict[object, Any] = {}  # per fwd_and_bwd: how its bwd regroups gradients
         self.grad_inputs = tuple(i for i, p in enumerate(self.perturbed) if p)
         self.n_activations = len(self.split.activations)
-        self._backward_fn = (anomaly.checked(self.split.backward) if self.detect_anomaly
-                             else jaxpr_as_fun(self.split.backward))
-        self._donated = _aliasable(self.split.backward, self.n_activations) if self.donate_saved else ()
-        self._programs: dict[Any, Any] = {}  # gradient shardings -> backward program
-        self.backward = self._backward_program(None)
-        if self.donate_saved or self.detect_anomaly:
-            self.run_backward = self._run_backward_guarded  # type: ignore[method-assign]
+        # `run_backward(saved, cts)`: one cotangent per output that has one -> one cotangent
+        # per perturbed input. The plain one does nothing else (the hot path).
+        guarded = self.donate_saved or self.detect_anomaly
+        self.run_backward = (GuardedBackward if guarded else Backward)(self)
+        self.backward = self.run_backward.program(None)
 
     @classmethod
     def build(cls, owner: str, fwd: ForwardTrace, perturbed: tuple[bool, ...],
@@ -103,36 +101,6 @@ class ProgramPair:
         if type(probe) is ArrayImpl and type(probe.sharding) is not SingleDeviceSharding:
             return results[:self.n_outs], Saved(saved, self, self._grad_shardings(inputs))
         return results[:self.n_outs], Saved(saved, self)  # one device, or traced: XLA chooses
-
-    def run_backward(self, saved: "Saved", cts: Sequence[Any]) -> list[Any]:
-        """`cts`: one cotangent per output that has one. Returns one cotangent per
-        perturbed input."""
-        if saved.grad_shardings is None:
-            return self.backward(*saved.arrays, *cts)
-        return self._backward_program(saved.grad_shardings)(*saved.arrays, *cts)
-
-    def _run_backward_guarded(self, saved: "Saved", cts: Sequence[Any]) -> list[Any]:
-        """`run_backward` under donate_saved (refuse released values, release them after)
-        and/or detect_anomaly (raise where a NaN/Inf first appeared)."""
-        owned = [a for a in saved.arrays[:self.n_activations] if type(a) is ArrayImpl]
-        if self.donate_saved and any(a.is_deleted() for a in owned):
-            raise RuntimeError(_RELEASED.format(owner=self.owner))
-        results = self._backward_program(saved.grad_shardings)(*saved.arrays, *cts)
-        if self.donate_saved:
-            for a in owned:  # XLA consumed those it aliased; release the rest now
-                a.delete()
-        return anomaly.check(self, results) if self.detect_anomaly else results
-
-    def _backward_program(self, shardings: tuple[Any, ...] | None) -> Any:
-        """The jitted backward, with out_shardings pinned to the gradients' shardings."""
-        program = self._programs.get(shardings)
-        if program is None:
-            pinned = {}
-            if shardings is not None:
-                pinned["out_shardings"] = [*shardings, None] if self.detect_anomaly else list(shardings)
-            program = jax.jit(self._backward_fn, donate_argnums=self._donated, **pinned)
-            self._programs[shardings] = program
-        return program
 
     def _grad_shardings(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
         """For a forward that ran over several devices: the differentiated inputs' shardings,
@@ -161,6 +129,52 @@ class ProgramPair:
                            ("backward.stablehlo.txt", lb.as_text())):
             with open(os.path.join(directory, f"{tag}.{name}"), "w") as fh:
                 fh.write(text)
+
+
+class Backward:
+    """How a pair's backward program runs: one jitted program per set of gradient shardings
+    (a forward over several devices pins them; else XLA chooses)."""
+
+    def __init__(self, pair: ProgramPair) -> None:
+        self.pair = pair
+        self.function = (anomaly.checked(pair.split.backward) if pair.detect_anomaly
+                         else jaxpr_as_fun(pair.split.backward))
+        self.donated = _aliasable(pair.split.backward, pair.n_activations) if pair.donate_saved else ()
+        self.programs: dict[Any, Any] = {}  # gradient shardings -> backward program
+        self.plain = self.program(None)
+
+    def __call__(self, saved: "Saved", cts: Sequence[Any]) -> list[Any]:
+        if saved.grad_shardings is None:
+            return self.plain(*saved.arrays, *cts)
+        return self.program(saved.grad_shardings)(*saved.arrays, *cts)
+
+    def program(self, shardings: tuple[Any, ...] | None) -> Any:
+        """The jitted backward, with out_shardings pinned to the gradients' shardings."""
+        program = self.programs.get(shardings)
+        if program is None:
+            pinned = {}
+            if shardings is not None:
+                codes = [None] if self.pair.detect_anomaly else []  # anomaly's codes: XLA chooses
+                pinned["out_shardings"] = [*shardings, *codes]
+            program = jax.jit(self.function, donate_argnums=self.donated, **pinned)
+            self.programs[shardings] = program
+        return program
+
+
+class GuardedBackward(Backward):
+    """The backward under donate_saved (it refuses released values and releases them after)
+    and/or detect_anomaly (it raises where a NaN/Inf first appeared)."""
+
+    def __call__(self, saved: "Saved", cts: Sequence[Any]) -> list[Any]:
+        pair = self.pair
+        owned = [a for a in saved.arrays[:pair.n_activations] if type(a) is ArrayImpl]
+        if pair.donate_saved and any(a.is_deleted() for a in owned):
+            raise RuntimeError(_RELEASED.format(owner=pair.owner))
+        results = self.program(saved.grad_shardings)(*saved.arrays, *cts)
+        if pair.donate_saved:
+            for a in owned:  # XLA consumed those it aliased; release the rest now
+                a.delete()
+        return anomaly.check(pair, results) if pair.detect_anomaly else results
 
 
 @jax.tree_util.register_pytree_node_class
