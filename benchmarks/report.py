@@ -91,6 +91,15 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
         fh.write("\n")
 
 
+def plot_available() -> bool:
+    """Whether matplotlib can be imported (checked before a run that asks for a plot)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plot(path: str, rows: Sequence[Row]) -> str:
     """Saved activation bytes vs step time, one panel per workload, one marker per
     strategy. Returns a one-line message (written file, or how to get matplotlib)."""
