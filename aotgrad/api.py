@@ -22,7 +22,8 @@ from aotgrad.compilation_cache import ensure_compilation_cache
 from aotgrad.config import config, keyed_only
 from aotgrad.nnx import NnxCall, has_graph_nodes
 from aotgrad.runtime import Entry, ProgramPair, Saved, Timings
-from aotgrad.signature import (ArgSpec, CallKey, ArrayImpl, Static, aval_key, describe_key_change, key_text,
+from aotgrad.signature import (ArgSpec, CallKey, ArrayImpl, Static, aval_key, describe_key_change, key_distance,
+                               key_text,
                                leaf_key, leaf_paths, static_leaves, unwrap_static)
 from aotgrad.trace import trace_forward
 
@@ -131,9 +132,12 @@ class AOTFunction:
         with self._lock:
             self._misses += 1
             last = self._last_key
+            cached = list(self._cache)
         if snapshot["log_recompiles"] and last is not None:
+            # Blame the difference from the nearest cached key (fewest differing fields).
+            nearest = min(reversed(cached), key=lambda k: key_distance(k, key), default=last)
             logger.warning("aotgrad: compiling %s again: %s", self.name,
-                           "; ".join(describe_key_change(self._spec, last, key)))
+                           "; ".join(describe_key_change(self._spec, nearest, key)))
         static, in_tree = key.static, key.in_tree
         self._note_identity_keys(key, snapshot)
 
@@ -301,7 +305,7 @@ def fwd_and_bwd(fn: Callable, argnums: int | Sequence[int] = 0,
     """
     f = fn if isinstance(fn, AOTFunction) else AOTFunction(fn)
     single = isinstance(argnums, (int, np.integer))
-    nums = (int(argnums),) if single else tuple(int(i) for i in argnums)
+    nums = check_argnums(f"aotgrad.fwd_and_bwd({f.name})", argnums)
     if not nums:
         raise ValueError("aotgrad.fwd_and_bwd: argnums must name at least one argument.")
 
@@ -341,6 +345,17 @@ def fwd_and_bwd(fn: Callable, argnums: int | Sequence[int] = 0,
         return per_arg[0] if single else tuple(per_arg)
 
     return fwd, bwd
+
+
+def check_argnums(who: str, argnums: Any) -> tuple[int, ...]:
+    """`argnums` as a tuple of ints; anything else is a TypeError saying what it takes."""
+    if isinstance(argnums, (int, np.integer)) and not isinstance(argnums, bool):
+        return (int(argnums),)
+    if isinstance(argnums, (tuple, list)) and all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in argnums):
+        return tuple(int(i) for i in argnums)
+    raise TypeError(f"{who}: argnums takes an int or a sequence of ints (positions of the "
+                    f"arguments to differentiate); got {argnums!r}.")
 
 
 def argnum_positions(who: str, nums: tuple[int, ...], n_args: int) -> set[int]:

@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 from jax.extend.core import ClosedJaxpr
 
 from aotgrad._jax_internals import source_line
-from aotgrad.api import AOTFunction, Lowered, argnum_positions
+from aotgrad.api import AOTFunction, Lowered, argnum_positions, check_argnums
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.partition.costs import nbytes as _nbytes
 from aotgrad.runtime import ProgramPair, Timings
@@ -124,8 +124,8 @@ def explain(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None
     call, paths = f.resolved(args, kwargs)
     positions = None
     if argnums is not None:
-        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-        positions = argnum_positions(f"aotgrad.explain({f.name})", nums, len(args))
+        who = f"aotgrad.explain({f.name})"
+        positions = argnum_positions(who, check_argnums(who, argnums), len(args))
     pair = call.entry.pair(call.entry.perturbed_for(positions), call.entry.default_has_ct())
     compiled = Lowered(f.name, pair, *pair.lower(call.inputs)).compile()
     return _report(f, call, paths, pair, compiled.timings, Memory.of(compiled))

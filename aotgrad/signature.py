@@ -12,8 +12,8 @@ from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unf
 
 from aotgrad._jax_internals import ArrayImpl, Tracer
 
-__all__ = ["ArgSpec", "CallKey", "Static", "aval_key", "check_output_leaves", "describe_key_change", "key_text",
-           "leaf_key", "leaf_paths"]
+__all__ = ["ArgSpec", "CallKey", "Static", "aval_key", "check_output_leaves", "describe_key_change", "key_distance",
+           "key_text", "leaf_key", "leaf_paths"]
 
 _SCALARS = (bool, int, float, complex, np.generic)
 
@@ -126,16 +126,18 @@ class ArgSpec:
            static_argnames: str | Sequence[str], python_scalars: str = "traced") -> "ArgSpec":
         nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
         names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+        fn_name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
         try:
-            params = [p for p in inspect.signature(fn).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            all_params = list(inspect.signature(fn).parameters.values())
         except (TypeError, ValueError):
-            params = []
+            all_params = None
+        params = [p for p in all_params or () if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         param_names = tuple(p.name for p in params)
+        if all_params is not None:
+            _check_static_names(fn_name, all_params, param_names, nums, names)
         # As jax.jit does: a static position also makes its name static, and vice versa.
         nums = tuple(sorted(set(nums) | {i for i, n in enumerate(param_names) if n in names}))
         names = tuple(sorted(set(names) | {param_names[i] for i in nums if 0 <= i < len(param_names)}))
-        fn_name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
         if python_scalars not in PYTHON_SCALARS:
             raise ValueError(f"aotgrad.compile({fn_name}): python_scalars must be one of "
                              f"{list(PYTHON_SCALARS)}; got {python_scalars!r}.")
@@ -202,6 +204,25 @@ class ArgSpec:
         return tree_flatten(tree_unflatten(tree, marked))
 
 
+def _check_static_names(fn_name: str, params: list, positional: tuple[str, ...], nums: tuple,
+                        names: tuple) -> None:
+    """As `jax.jit`: static_argnums must be positional parameters (unless the function takes
+    *args), static_argnames parameter names (unless it takes **kwargs)."""
+    kinds = {p.kind for p in params}
+    n = len(positional)
+    if inspect.Parameter.VAR_POSITIONAL not in kinds:
+        bad = [i for i in nums if not -n <= i < n]
+        if bad:
+            raise ValueError(f"aotgrad.compile({fn_name}): static_argnums {bad} out of range: the function "
+                             f"has {n} positional parameters {list(positional)}.")
+    if inspect.Parameter.VAR_KEYWORD not in kinds:
+        known = {p.name for p in params if p.kind != inspect.Parameter.VAR_POSITIONAL}
+        bad_names = [k for k in names if k not in known]
+        if bad_names:
+            raise ValueError(f"aotgrad.compile({fn_name}): static_argnames {bad_names} name no parameter "
+                             f"of the function; its parameters are {sorted(known)}.")
+
+
 def leaf_paths(spec: ArgSpec, tree: Any, static: bool = False) -> list[str]:
     """Readable paths (``params['w']``, ``batch[0]``) of the traced leaves (with `static`:
     of the `Static` markers)."""
@@ -233,8 +254,18 @@ def check_output_leaves(fn_name: str, out: Any) -> None:
                 f"{'out' + keystr(path)}; every output leaf must be an array or a scalar.")
 
 
+def key_distance(old: CallKey, new: CallKey) -> int:
+    """How many fields of two keys differ (leaves are compared one by one when the
+    argument structures agree)."""
+    d = int(old.autocast != new.autocast) + sum(a != b for a, b in zip(old.options, new.options))
+    d += len(set(old.static) ^ set(new.static))
+    if old.in_tree != new.in_tree:
+        return d + 1 + abs(len(old.leaves) - len(new.leaves))
+    return d + sum(a != b for a, b in zip(old.leaves, new.leaves))
+
+
 def describe_key_change(spec: ArgSpec, old: CallKey, new: CallKey) -> list[str]:
-    """Why `new` missed the cache, relative to the most recently used key `old`."""
+    """Why `new` missed the cache, relative to a cached key `old` (the nearest one)."""
     reasons = []
     if old.in_tree != new.in_tree:
         olds, news = (static_leaves(tree_unflatten(k.in_tree, [0] * k.in_tree.num_leaves))

@@ -106,6 +106,15 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
         fh.write("\n")
 
 
+def plot_available() -> bool:
+    """Whether matplotlib can be imported (checked before a run that asks for a plot)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plot(path: str, rows: Sequence[Row]) -> str:
     """Step peak memory (XLA) vs step time, one panel per workload, one marker per
     strategy: the memory/time trade-off each strategy offers (lower left is better).

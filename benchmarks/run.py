@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 from absl import app, flags
+from absl import logging as absl_logging
 
 from benchmarks import overhead as overhead_mod
 from benchmarks import peers_torch, report, suite as suite_mod
@@ -312,6 +313,10 @@ def format_result(result: RunResult) -> str:
 def main(argv: Sequence[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    absl_logging.set_verbosity(absl_logging.WARNING)  # no "Unable to initialize backend 'tpu'" line
+    if FLAGS.plot and not report.plot_available():
+        log(f"note: --plot needs matplotlib ({report.PLOT_HINT}); this run writes no plot.")
+        FLAGS.plot = None
     suite_path = _resolve(FLAGS.suite, DEFAULT_SUITE)
     try:
         suite = suite_mod.load(suite_path)
@@ -337,8 +342,16 @@ def _resolve_out() -> str:
     return DEFAULT_OUT if os.path.isdir(os.path.dirname(DEFAULT_OUT)) else os.path.join(ROOT, DEFAULT_OUT)
 
 
+HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
 def run() -> None:
-    app.run(lambda argv: sys.exit(main(argv)))
+    try:
+        app.run(lambda argv: sys.exit(main(argv)))
+    except SystemExit as e:  # absl exits 1 after printing the help it was asked for
+        if e.code == 1 and any(a in HELP_FLAGS for a in sys.argv[1:]):
+            raise SystemExit(0) from None
+        raise
 
 
 if __name__ == "__main__":

@@ -372,3 +372,16 @@ def test_explain_argnums_matches_what_fwd_and_bwd_saves():
     assert everything.saved_bytes + everything.saved_input_bytes > report.saved_bytes + report.saved_input_bytes
     with pytest.raises(ValueError, match=r"argnums \[2\] out of range"):
         aotgrad.explain(f, w, x, argnums=2)
+
+
+def test_log_recompiles_blames_the_nearest_cached_key(caplog):
+    f = aotgrad.compile(lambda x, n: x * n, static_argnames="n")
+    with aotgrad.config.patch(log_recompiles=True), caplog.at_level(logging.WARNING, "aotgrad"):
+        f(jnp.ones(4), n=1)
+        f(jnp.ones(8), n=1)  # the most recent key
+        caplog.clear()
+        f(jnp.ones(4), n=2)  # nearest cached key: shape 4, n=1
+    messages = [r.getMessage() for r in caplog.records if "compiling" in r.getMessage()]
+    assert len(messages) == 1
+    assert "static argument n changed: 1 -> 2" in messages[0]
+    assert "float32[8]" not in messages[0], messages[0]

@@ -61,6 +61,7 @@ def test_runner_cli_writes_expected_json(tmp_path: Path) -> None:
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "not_a_partitioner" in proc.stderr and "not registered" in proc.stderr
+    assert "Unable to initialize backend" not in proc.stderr
     assert "tiny_mlp" in proc.stdout and "call overhead" in proc.stdout
 
     data = json.loads(out.read_text())
@@ -146,3 +147,26 @@ def test_torch_peers_on_a_tiny_mlp() -> None:
         assert max_relative_error(p.grads, reference) < 1e-4, name
         assert not any("saved_tensors_hooks" in n for n in p.notes), p.notes
         p.step()
+
+
+def test_help_exits_zero() -> None:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--suite" in proc.stdout + proc.stderr
+
+
+def test_plot_without_matplotlib_is_reported_before_the_run(tiny_suite: Path, tmp_path: Path) -> None:
+    blocked = tmp_path / "blocked"
+    (blocked / "matplotlib").mkdir(parents=True)
+    (blocked / "matplotlib" / "__init__.py").write_text("raise ImportError('matplotlib is not installed')\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(blocked), os.environ.get("PYTHONPATH", ""), str(ROOT)])}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", f"--suite={tiny_suite}",
+                           f"--out={tmp_path / 'out.json'}", f"--plot={tmp_path / 'plot.png'}",
+                           "--workloads=tiny_mlp", "--strategies=fused"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith("note: --plot needs matplotlib"), lines[:3]
+    assert not (tmp_path / "plot.png").exists()

@@ -25,3 +25,26 @@ def test_bad_option_values_name_the_option(name, value, message):
         aotgrad.config.patch(**{name: value})
     with pytest.raises(aotgrad.ConfigError, match=message):
         setattr(aotgrad.config, name, value)
+
+
+def test_static_argnums_and_argnames_are_checked_at_decoration():
+    def f(x, n, *, mode="a"):
+        return x * n
+
+    with pytest.raises(ValueError, match=r"static_argnums \[2\] out of range: the function has 2 positional"):
+        aotgrad.compile(f, static_argnums=2)
+    with pytest.raises(ValueError, match=r"static_argnames \['nn'\] name no parameter.*\['mode', 'n', 'x'\]"):
+        aotgrad.compile(f, static_argnames="nn")
+    aotgrad.compile(f, static_argnums=-1, static_argnames="mode")  # valid ones pass
+    aotgrad.compile(lambda *args, **kw: args[0], static_argnums=3, static_argnames="anything")
+
+
+@pytest.mark.parametrize("who", ["fwd_and_bwd", "explain"])
+def test_argnums_of_the_wrong_type_says_what_it_takes(who):
+    f = aotgrad.compile(lambda w, x: jnp.sum(w * x))
+    w = jnp.ones(3)
+    with pytest.raises(TypeError, match=r"argnums takes an int or a sequence of ints .*got 'w'"):
+        if who == "fwd_and_bwd":
+            aotgrad.fwd_and_bwd(f, argnums="w")
+        else:
+            aotgrad.explain(f, w, w, argnums="w")
