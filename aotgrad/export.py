@@ -112,7 +112,7 @@ def export(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
             raise ExportError(
                 f"{who}: building the programs with symbolic dimensions failed under "
                 f"partitioner={entry.strategy!r} ({type(e).__name__}: {e}). Export with concrete "
-                f"shapes, or under aotgrad.config.patch(partitioner='default').") from e
+                f"shapes, or under aotgrad.config.patch(partitioner='vjp').") from e
         raise
     programs = _export_programs(who, entry, pair, call.inputs, platforms)
     meta = {

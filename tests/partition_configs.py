@@ -1,6 +1,6 @@
 """The configurations tests run under: every registered partitioner (new ones are picked up
 when they register in `aotgrad.partition.PARTITIONERS`) and, for those other than
-"default", the activation memory budgets worth testing."""
+"vjp", the activation memory budgets worth testing."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -14,7 +14,7 @@ def partitioner_configs(budgets: Sequence[float] = BUDGETS) -> list[dict[str, An
     """`aotgrad.config.patch` keyword arguments, one dict per configuration."""
     configs: list[dict[str, Any]] = []
     for name in aotgrad.partition.PARTITIONERS:
-        if name == "default":  # one saved set: the budget does not apply
+        if name == "vjp":  # one saved set: the budget does not apply
             configs.append({"partitioner": name})
         else:
             configs.extend({"partitioner": name, "activation_memory_budget": b} for b in budgets)

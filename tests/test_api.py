@@ -169,7 +169,7 @@ def test_lower_without_data():
 
 
 def test_explain_report():
-    with aotgrad.config.patch(partitioner="default"):
+    with aotgrad.config.patch(partitioner="vjp"):
         report = aotgrad.explain(_mlp, _params(), X)
     acts = [s for s in report.saved if not s.is_input]
     assert report.saved_bytes == sum(s.nbytes for s in acts) > 0

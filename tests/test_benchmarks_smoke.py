@@ -104,7 +104,7 @@ def test_new_partitioners_are_picked_up_and_failures_continue(tiny_suite: Path,
     def broken(graph: object, budget: float) -> dict:
         raise RuntimeError("this partitioner always fails")
 
-    monkeypatch.setitem(PARTITIONERS, "smoke_alias", PARTITIONERS["default"])
+    monkeypatch.setitem(PARTITIONERS, "smoke_alias", PARTITIONERS["vjp"])
     monkeypatch.setitem(PARTITIONERS, "smoke_broken", broken)
     suite = suite_mod.load(tiny_suite)
     result = run.run_suite(suite, workloads=["tiny_mlp"], strategies=["jax_fwd_and_bwd", "aotgrad:smoke_*"])

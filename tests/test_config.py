@@ -25,7 +25,7 @@ def test_defaults():
 
 def test_unknown_option_lists_valid_names():
     with pytest.raises(ConfigError, match=r"no option 'partitionr'.*'partitioner'"):
-        aotgrad.config.partitionr = "default"
+        aotgrad.config.partitionr = "vjp"
     with pytest.raises(ConfigError, match="no option 'nope'"):
         aotgrad.config.patch(nope=1)
     with pytest.raises(ConfigError, match="no option"):
@@ -33,7 +33,7 @@ def test_unknown_option_lists_valid_names():
 
 
 @pytest.mark.parametrize("name, value, message", [
-    ("partitioner", "fastest", r"must be one of \['default'"),
+    ("partitioner", "fastest", r"must be one of \['vjp'"),
     ("partitioner", 3, "must be one of"),
     ("cache_size_limit", 0, "integer >= 1"),
     ("cache_size_limit", "8", "integer >= 1"),

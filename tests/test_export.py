@@ -138,7 +138,7 @@ def test_symbolic_batch_with_the_default_partitioner():
     p, (params, x, y) = _mlp()
     b, = jax.export.symbolic_shape("b")
     specs = (jax.ShapeDtypeStruct((b, 6), jnp.float32), jax.ShapeDtypeStruct((b, 3), jnp.float32))
-    with aotgrad.config.patch(partitioner="default"):
+    with aotgrad.config.patch(partitioner="vjp"):
         loaded = aotgrad.deserialize(aotgrad.export(p.fn, params, *specs, argnums=0).serialize())
     for n in (8, 5, 1):
         got = jax.grad(loaded)(params, x[:n], y[:n])
@@ -156,15 +156,15 @@ def test_symbolic_batch_where_a_partitioner_needs_shapes():
     specs = (jax.ShapeDtypeStruct((b, 6), jnp.float32), jax.ShapeDtypeStruct((b, 3), jnp.float32))
     with aotgrad.config.patch(partitioner="min_cut"), \
             pytest.raises(ExportError, match="symbolic dimensions failed under partitioner='min_cut'.*"
-                                             "partitioner='default'"):
+                                             "partitioner='vjp'"):
         aotgrad.export(p.fn, params, *specs)
 
 
 def test_config_and_autocast_are_recorded():
     p, args = _mlp()
-    with aotgrad.config.patch(partitioner="default"), aotgrad.autocast("cpu", dtype=jnp.bfloat16):
+    with aotgrad.config.patch(partitioner="vjp"), aotgrad.autocast("cpu", dtype=jnp.bfloat16):
         loaded = aotgrad.deserialize(aotgrad.export(p.fn, *args).serialize())
-    assert loaded.config["partitioner"] == "default"
+    assert loaded.config["partitioner"] == "vjp"
     assert loaded.autocast == {"device_type": "cpu", "dtype": "bfloat16"}
     assert loaded.platforms == (jax.export.default_export_platform(),)
 

@@ -484,7 +484,7 @@ AUTOCAST_REGRESSIONS: list[tuple[Program, int, str, AutocastState, dict[str, Any
     (_MAX_OF_BF16, 1242, "vjp", AUTOCAST_STATES[1], {"partitioner": "min_cut", "activation_memory_budget": 1.0}),
     (_MAX_OF_BF16, 1242, "jit_vjp", AUTOCAST_STATES[2], {"partitioner": "min_cut", "activation_memory_budget": 1.0}),
     (_MATMUL_CHAIN, 0, "vjp", AUTOCAST_STATES[3], {"partitioner": "min_cut", "activation_memory_budget": 0.5}),
-    (_MATMUL_CHAIN, 1, "fwd_and_bwd", AUTOCAST_STATES[1], {"partitioner": "default"}),
+    (_MATMUL_CHAIN, 1, "fwd_and_bwd", AUTOCAST_STATES[1], {"partitioner": "vjp"}),
     (_MATMUL_LOOPS, 2, "jit_vjp", AUTOCAST_STATES[5], {"partitioner": "min_cut", "activation_memory_budget": 0.0}),
 ]
 

@@ -83,13 +83,13 @@ def test_pointwise_chain_on_inputs_saves_no_activation() -> None:
         return jnp.sum(jnp.tanh(jnp.exp(jnp.sin(x))))
     sp = partition(_graph(f, _rand(0, 64)), "min_cut")
     assert sp.activations == () and sp.saved_inputs == (0,)
-    assert partition(_graph(f, _rand(0, 64)), "default").activations  # default saves tanh etc.
+    assert partition(_graph(f, _rand(0, 64)), "vjp").activations  # vjp saves tanh etc.
 
 
 def test_a_checkpointed_pointwise_chain_is_recomputed() -> None:
     """A `jax.checkpoint` region (primitive `remat2`) is classified by its body: a pointwise
     chain on a non-differentiated input is recomputed from that input, so min_cut saves
-    less than `jax.vjp` (which keeps the region's [64, 8] output) and the "default"
+    less than `jax.vjp` (which keeps the region's [64, 8] output) and the "vjp"
     strategy. Hand-counted: the [64, 4] tanh derivative input and the [64, 2] input."""
     def f(x, w):
         c = jax.checkpoint(lambda a: jnp.exp(jnp.sin(jnp.concatenate([a] * 4, axis=1)) * 0.5))(x)
@@ -98,14 +98,14 @@ def test_a_checkpointed_pointwise_chain_is_recomputed() -> None:
     out, vjp = jax.vjp(lambda w: f(x, w), w)
     jax_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(vjp))
     saved = {}
-    for name in ("default", "min_cut"):
+    for name in ("vjp", "min_cut"):
         with aotgrad.config.patch(partitioner=name):
             fwd, bwd = aotgrad.fwd_and_bwd(aotgrad.compile(f), argnums=1)
             got, saved[name] = fwd(x, w)
             np.testing.assert_allclose(got, out, rtol=1e-6)
             np.testing.assert_allclose(bwd(saved[name], jnp.ones(())), vjp(jnp.ones(()))[0], rtol=1e-5, atol=1e-6)
     assert saved["min_cut"].nbytes == 64 * 4 * 4 + 64 * 2 * 4
-    assert saved["min_cut"].nbytes < min(jax_bytes, saved["default"].nbytes)
+    assert saved["min_cut"].nbytes < min(jax_bytes, saved["vjp"].nbytes)
     assert all(a.shape != (64, 8) for a in saved["min_cut"].arrays)
 
 
@@ -150,7 +150,7 @@ def reference_block() -> Any:
 def test_reference_block_saved_bytes(reference_block: Any) -> None:
     b, t, d, h = 8, 128, 256, 8
     act, scores = b * t * d * 4, b * h * t * t * 4
-    default = sum(map(_nbytes, _activations(partition(reference_block, "default"))))
+    default = sum(map(_nbytes, _activations(partition(reference_block, "vjp"))))
     sp = partition(reference_block, "min_cut")
     got = sum(map(_nbytes, _activations(sp)))
     # q, k, v, the softmax numerator exp(scores - max) (exp is not recomputed), the
@@ -183,7 +183,7 @@ def test_budget_zero_recomputes_matmuls(reference_block: Any) -> None:
 
 
 def test_default_partitioner_rejects_a_budget() -> None:
-    with aotgrad.config.patch(partitioner="default", activation_memory_budget=0.5):
+    with aotgrad.config.patch(partitioner="vjp", activation_memory_budget=0.5):
         with pytest.raises(aotgrad.ConfigError, match="activation_memory_budget=0.5 needs a partitioner"):
             jax.grad(aotgrad.compile(lambda x: jnp.sum(jnp.sin(x))))(jnp.ones(3))
 
@@ -299,7 +299,7 @@ def test_collectives_inside_shard_map_are_never_recomputed(budget: float) -> Non
         return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())(w, x)
     w, x = _rand(0, 8, 8), _rand(1, 4, 8)
     graph = _graph(f, w, x)
-    with_default = partition(graph, "default")
+    with_default = partition(graph, "vjp")
     sp = partition(graph, "min_cut", budget)
     collectives = {"psum", "all_gather", "ppermute", "psum_scatter", "all_to_all", "pbroadcast"}
     # The forward's shard_map (holding the psum) is never run again in the backward.

@@ -192,9 +192,9 @@ def test_saved_bytes_and_peak_are_monotone_in_the_budget() -> None:
     assert peaks == sorted(peaks)
 
 
-def test_default_partitioner_leaves_scans_to_jax() -> None:
+def test_vjp_partitioner_leaves_scans_to_jax() -> None:
     p = _params()
-    with aotgrad.config.patch(partitioner="default"):
+    with aotgrad.config.patch(partitioner="vjp"):
         report = aotgrad.explain(aotgrad.compile(carries_and_several_xs), p)
     _, residuals = jax.fwd_and_bwd(carries_and_several_xs, argnums=0)[0](p)
     inputs = {id(x) for x in jax.tree.leaves(p)}

@@ -9,7 +9,7 @@ from typing import Callable
 
 from jax.extend.core import Var
 
-from aotgrad.partition.default import save_what_backward_reads
+from aotgrad.partition.vjp import save_what_backward_reads
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import min_cut
 from aotgrad.partition.scan import partition_scans
@@ -21,7 +21,7 @@ __all__ = ["PARTITIONERS", "SCAN_BODY_CUTS", "JointGraph", "Split", "partition",
 Strategy = Callable[[JointGraph, float], dict[Var, str]]
 
 PARTITIONERS: dict[str, Strategy] = {
-    "default": save_what_backward_reads,
+    "vjp": save_what_backward_reads,
     "min_cut": min_cut,
 }
 

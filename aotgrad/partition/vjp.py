@@ -1,4 +1,4 @@
-"""The "default" strategy: save every forward value the backward reads, as `jax.vjp` does."""
+"""The "vjp" strategy: save every forward value the backward reads, as `jax.vjp` does."""
 from __future__ import annotations
 
 from jax.extend.core import Var
@@ -16,7 +16,7 @@ def save_what_backward_reads(graph: JointGraph, budget: float = 1.0) -> dict[Var
         from aotgrad.config import ConfigError
         raise ConfigError(
             f"aotgrad.config.activation_memory_budget={budget:g} needs a partitioner that can "
-            f"recompute; partitioner='default' always saves what the backward reads. "
+            f"recompute; partitioner='vjp' always saves what the backward reads. "
             f"Use partitioner='min_cut'.")
     saved: dict[Var, str] = {}
 
