@@ -14,10 +14,8 @@ import os
 import subprocess
 import sys
 
-if "jax" in sys.modules:
-    raise RuntimeError("tests/export_sharded_cases.py must run in its own process, before JAX is imported")
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(__file__))
+import eight_devices  # noqa: E402,F401  (before JAX: 8 simulated devices)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -27,7 +25,6 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 import aotgrad  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
 from partition_configs import config_id, partitioner_configs  # noqa: E402
 
 CONFIGS = partitioner_configs(budgets=(0.0, 1.0))
