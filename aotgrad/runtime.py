@@ -246,7 +246,9 @@ class Entry:
         if pair is None:
             if config.log_recompiles and self.pairs:
                 n = len(self.fwd.consts)
-                old = next(reversed(self.pairs))[0]
+                # Blame the nearest pattern built (fewest differently differentiated inputs).
+                old = min((k[0] for k in reversed(self.pairs)),
+                          key=lambda o: sum(a != b for a, b in zip(o, perturbed)))
                 logger.warning("aotgrad: compiling %s again: differentiated inputs changed: %s -> %s",
                                self.owner, _mask_text(old[n:]), _mask_text(perturbed[n:]))
             pair = ProgramPair.build(self.owner, self.fwd, perturbed, has_ct, self.options)

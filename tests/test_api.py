@@ -218,6 +218,16 @@ def test_log_recompiles_names_the_cause(caplog):
     assert text.count("compiling") == 4  # the call after the patch reuses the first entry
 
 
+def test_log_recompiles_blames_the_nearest_differentiation_pattern(caplog):
+    f = aotgrad.compile(lambda a, b, c: jnp.sum(a * b * c))
+    x = jnp.ones(3)
+    with aotgrad.config.patch(log_recompiles=True), caplog.at_level(logging.WARNING, "aotgrad"):
+        jax.grad(f, argnums=(0, 1))(x, x, x)
+        jax.grad(f, argnums=2)(x, x, x)
+        jax.grad(f, argnums=(0, 1, 2))(x, x, x)  # one input away from the first pattern
+    assert "differentiated inputs changed: [dd-] -> [ddd]" in caplog.text
+
+
 def test_debug_dir_dumps_both_programs(tmp_path):
     f = aotgrad.compile(_mlp)
     with aotgrad.config.patch(debug_dir=str(tmp_path)):
