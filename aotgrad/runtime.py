@@ -23,6 +23,7 @@ from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.config import Snapshot, config
 from aotgrad.partition import JointGraph, Split, partition, scan_rules
 from aotgrad.signature import ArrayImpl
+from aotgrad.symbolic_zeros import without_zero_cotangents
 from aotgrad.trace import ForwardTrace, differentiable, trace_joint
 
 __all__ = ["Backward", "Entry", "GuardedBackward", "ProgramPair", "Saved", "Timings"]
@@ -133,31 +134,38 @@ class ProgramPair:
 
 class Backward:
     """How a pair's backward program runs: one jitted program per set of gradient shardings
-    (a forward over several devices pins them; else XLA chooses)."""
+    (a forward over several devices pins them; else XLA chooses) and per set of cotangents
+    known to be zero (auxiliary outputs: they are not inputs of that program)."""
 
     def __init__(self, pair: ProgramPair) -> None:
         self.pair = pair
-        self.function = (anomaly.checked(pair.split.backward) if pair.detect_anomaly
-                         else jaxpr_as_fun(pair.split.backward))
         self.donated = _aliasable(pair.split.backward, pair.n_activations) if pair.donate_saved else ()
-        self.programs: dict[Any, Any] = {}  # gradient shardings -> backward program
+        self.programs: dict[Any, Any] = {}  # (gradient shardings, present cotangents) -> program
         self.plain = self.program(None)
 
-    def __call__(self, saved: "Saved", cts: Sequence[Any]) -> list[Any]:
-        if saved.grad_shardings is None:
+    def __call__(self, saved: "Saved", cts: Sequence[Any], present: tuple[bool, ...] | None = None) -> list[Any]:
+        """`cts`: the cotangents marked present (all when `present` is None)."""
+        if saved.grad_shardings is None and present is None:
             return self.plain(*saved.arrays, *cts)
-        return self.program(saved.grad_shardings)(*saved.arrays, *cts)
+        return self.program(saved.grad_shardings, present)(*saved.arrays, *cts)
 
-    def program(self, shardings: tuple[Any, ...] | None) -> Any:
+    def function(self, present: tuple[bool, ...] | None) -> Callable[..., Any]:
+        """The backward as a function of (saved..., present cotangents...)."""
+        backward = self.pair.split.backward
+        if present is not None:
+            backward = without_zero_cotangents(backward, len(backward.in_avals) - len(present), present)
+        return anomaly.checked(backward) if self.pair.detect_anomaly else jaxpr_as_fun(backward)
+
+    def program(self, shardings: tuple[Any, ...] | None, present: tuple[bool, ...] | None = None) -> Any:
         """The jitted backward, with out_shardings pinned to the gradients' shardings."""
-        program = self.programs.get(shardings)
+        program = self.programs.get((shardings, present))
         if program is None:
             pinned = {}
             if shardings is not None:
                 codes = [None] if self.pair.detect_anomaly else []  # anomaly's codes: XLA chooses
                 pinned["out_shardings"] = [*shardings, *codes]
-            program = jax.jit(self.function, donate_argnums=self.donated, **pinned)
-            self.programs[shardings] = program
+            program = jax.jit(self.function(present), donate_argnums=self.donated, **pinned)
+            self.programs[(shardings, present)] = program
         return program
 
 
@@ -165,12 +173,12 @@ class GuardedBackward(Backward):
     """The backward under donate_saved (it refuses released values and releases them after)
     and/or detect_anomaly (it raises where a NaN/Inf first appeared)."""
 
-    def __call__(self, saved: "Saved", cts: Sequence[Any]) -> list[Any]:
+    def __call__(self, saved: "Saved", cts: Sequence[Any], present: tuple[bool, ...] | None = None) -> list[Any]:
         pair = self.pair
         owned = [a for a in saved.arrays[:pair.n_activations] if type(a) is ArrayImpl]
         if pair.donate_saved and any(a.is_deleted() for a in owned):
             raise RuntimeError(_RELEASED.format(owner=pair.owner))
-        results = self.program(saved.grad_shardings)(*saved.arrays, *cts)
+        results = self.program(saved.grad_shardings, present)(*saved.arrays, *cts)
         if pair.donate_saved:
             for a in owned:  # XLA consumed those it aliased; release the rest now
                 a.delete()
@@ -238,7 +246,9 @@ class Entry:
         if pair is None:
             if config.log_recompiles and self.pairs:
                 n = len(self.fwd.consts)
-                old = next(reversed(self.pairs))[0]
+                # Blame the nearest pattern built (fewest differently differentiated inputs).
+                old = min((k[0] for k in reversed(self.pairs)),
+                          key=lambda o: sum(a != b for a, b in zip(o, perturbed)))
                 logger.warning("aotgrad: compiling %s again: differentiated inputs changed: %s -> %s",
                                self.owner, _mask_text(old[n:]), _mask_text(perturbed[n:]))
             pair = ProgramPair.build(self.owner, self.fwd, perturbed, has_ct, self.options)
@@ -273,8 +283,13 @@ class Entry:
 
         def bwd(saved: Saved, cts: Sequence[Any]) -> tuple[Any, ...]:
             pair = saved.pair
-            real = [_instantiate(ct) for ct, c in zip(cts, has_ct) if c]
-            grads = iter(pair.run_backward(saved, real))
+            given = [ct for ct, c in zip(cts, has_ct) if c]
+            present = tuple(not isinstance(ct, SymbolicZero) for ct in given)
+            if all(present) or pair.detect_anomaly:  # anomaly reports name the full backward's equations
+                grads = iter(pair.run_backward(saved, [_instantiate(ct) for ct in given]))
+            else:  # e.g. auxiliary outputs: their zero cotangents are not inputs of the program
+                grads = iter(pair.run_backward(saved, [ct for ct in given if not isinstance(ct, SymbolicZero)],
+                                               present))
             return tuple(next(grads) if p else None for p in pair.perturbed)
 
         call.defvjp(fwd, bwd, symbolic_zeros=True)
