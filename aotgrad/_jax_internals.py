@@ -31,7 +31,7 @@ from jax._src.lax import linalg, parallel
 from jax._src.random import prng
 
 __all__ = ["ArrayImpl", "Tracer", "bind_eqn", "eqn_context", "jit_key_state", "name_scopes", "primitives",
-           "reset_compilation_cache", "source_line", "wrap_like"]
+           "reset_compilation_cache", "source_line", "short_source_line", "wrap_like"]
 
 # Primitives missing from `jax.extend.core.primitives`, by their public names' spelling.
 primitives = types.SimpleNamespace(
@@ -64,6 +64,15 @@ def source_line(eqn: Any) -> str:
     if info is None:
         return "<unknown>"
     return source_info_util.summarize(info)
+
+
+def short_source_line(eqn: Any) -> str:
+    """The user's file (base name) and line that produced `eqn`, e.g. ``model.py:12``."""
+    info = getattr(eqn, "source_info", None)
+    frame = None if info is None else source_info_util.user_frame(info.traceback)
+    if frame is None:
+        return "<unknown>"
+    return f"{os.path.basename(frame.file_name)}:{frame.start_line}"
 
 
 def name_scopes(eqn: Any) -> tuple[str, ...]:

@@ -6,7 +6,8 @@ one by one, plus one code per value (0 finite, 1 holds an Inf, 2 holds a NaN) fo
 backward input, each equation and each gradient. When a gradient is not finite, the codes
 locate the first equation, among those the gradient depends on, that made a non-finite value
 from finite inputs. Transposed equations keep the forward equation's source info, so that
-equation's source line is the user's line of the forward operation.
+equation's source line is the user's line of the forward operation; its name stack carries
+the forward operation's sequence number (`provenance`), which the report names too.
 
 On concrete values the codes are read right after the backward. Inside an outer trace
 (`jax.jit`) they are read by a `jax.debug.callback` when the program runs; the error then
@@ -22,8 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Var
 
-from aotgrad._jax_internals import Tracer, source_line
+from aotgrad import provenance
+from aotgrad._jax_internals import Tracer, short_source_line, source_line
 from aotgrad.interpret import eval_jaxpr
+from aotgrad.partition.graph import reachable
 
 if TYPE_CHECKING:
     from aotgrad.runtime import ProgramPair
@@ -121,8 +124,8 @@ def _report(pair: "ProgramPair", in_codes: np.ndarray, eqn_codes: np.ndarray,
     role = ("which computes part of the derivative of" if derivative
             else "which recomputes, for the backward, a value of")
     return (f"{head}\nIt first appeared ({_KIND[int(eqn_codes[origin])]}) in backward equation "
-            f"{origin} of {len(eqns)}:\n    {eqn}\n{role} the forward operation {ops} at {line}."
-            f"{_HINT}")
+            f"{origin} of {len(eqns)}:\n    {eqn}\n{role} the forward operation {ops} at {line}"
+            f"{_sequence_number(eqn)}.{_HINT}")
 
 
 _HINT = ("\n(aotgrad.config.detect_anomaly is on; it adds a check to every backward, "
@@ -141,7 +144,8 @@ def _input_origin(pair: "ProgramPair", jaxpr: Any, needed: set, in_codes: np.nda
             line = source_line(eqn)
             ops = ", ".join(f"`{p}`" for p in _forward_ops_at(pair, line))
             return (f"It was already in saved value #{k} ({what}), computed by the forward for the "
-                    f"derivative of the forward operation {ops} at {line} (saved from `{eqn.primitive.name}`).")
+                    f"derivative of the forward operation {ops} at {line}{_sequence_number(eqn)} "
+                    f"(saved from `{eqn.primitive.name}`).")
         if k < n_act + n_saved_in:
             return (f"It was already in input #{pair.split.saved_inputs[k - n_act]}, which the backward "
                     f"reads: that input holds {what}.")
@@ -149,17 +153,23 @@ def _input_origin(pair: "ProgramPair", jaxpr: Any, needed: set, in_codes: np.nda
     return "No single equation could be named."
 
 
+def _sequence_number(eqn: Any) -> str:
+    """" (sequence number #n)" of the forward equation `eqn` comes from; for an equation
+    inside that equation's body (an inlined `jit`), also what and where that equation is."""
+    o = provenance.origin(eqn)
+    if o is None:
+        return ""
+    if o.line == short_source_line(eqn):
+        return f" (sequence number #{o.seq})"
+    return f" (sequence number #{o.seq}: inside `{o.primitive}` at {o.line})"
+
+
 def _cotangent_dependent(pair: "ProgramPair", jaxpr: Any) -> set[int]:
     """Indices of the backward equations that read a cotangent (directly or not); the
     others recompute forward values."""
     n_saved = len(pair.split.activations) + len(pair.split.saved_inputs)
-    reached = set(jaxpr.invars[n_saved:])
-    found = set()
-    for i, eqn in enumerate(jaxpr.eqns):
-        if any(isinstance(v, Var) and v in reached for v in eqn.invars):
-            reached.update(v for v in eqn.outvars if isinstance(v, Var))
-            found.add(i)
-    return found
+    reached = reachable(jaxpr.eqns, jaxpr.invars[n_saved:])
+    return {i for i, eqn in enumerate(jaxpr.eqns) if any(isinstance(v, Var) and v in reached for v in eqn.invars)}
 
 
 def _forward_ops_at(pair: "ProgramPair", line: str) -> list[str]:

@@ -131,7 +131,7 @@ def export(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
         "config": json.loads(json.dumps(options.as_dict(), default=str)),
         "autocast": None if entry.fwd.autocast is None else dataclasses.asdict(entry.fwd.autocast),
         "jax_version": jax.__version__,
-        "report": _report_meta(_report(f, call, paths, pair, pair.timings, None)),
+        "report": _report_meta(_report(f, call, paths, pair, pair.timings, None, costs=False)),
     }
     return Exported(meta, programs, tuple(entry.fwd.consts))
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax.extend.core.primitives as P
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
-from aotgrad._jax_internals import bind_eqn
+from aotgrad._jax_internals import bind_eqn, eqn_context
 
 __all__ = ["CALL_BODIES", "INLINE_RULES", "Rule", "body_of", "eval_jaxpr", "read", "sub_jaxprs"]
 
@@ -77,10 +77,12 @@ def body_of(eqn: JaxprEqn, param: str) -> tuple[Jaxpr, Sequence[Any]]:
     return (body.jaxpr, body.consts) if isinstance(body, ClosedJaxpr) else (body, ())
 
 
-# Calls whose bodies are evaluated in place, so the partitioner sees every primitive.
+# Calls whose bodies are evaluated in place, so the partitioner sees every primitive. The
+# body's equations keep the call's name stack (autocast markers, sequence numbers).
 def _inline(param: str) -> Rule:
     def rule(eqn: JaxprEqn, invals: list) -> list:
-        return eval_jaxpr(*body_of(eqn, param), invals, INLINE_RULES)
+        with eqn_context(eqn):
+            return eval_jaxpr(*body_of(eqn, param), invals, INLINE_RULES)
     return rule
 
 

@@ -10,9 +10,12 @@ from aotgrad._jax_internals import source_line
 from aotgrad.api import AOTFunction, Lowered, argnum_positions, check_argnums
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.partition.costs import nbytes as _nbytes
+from aotgrad.provenance import BackwardCost, backward_costs
 from aotgrad.runtime import ProgramPair, Timings
 
-__all__ = ["Memory", "Report", "SavedValue", "explain"]
+__all__ = ["BackwardCost", "Memory", "Report", "SavedValue", "explain"]
+
+TOP_BACKWARD_OPS = 10  # rows of the backward-cost table `str(report)` prints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,18 +72,16 @@ class Report:
     timings: Timings  # compile is ~0 when XLA's compilation cache already held the programs
     casts: CastCounts = CastCounts()  # casts autocast inserted, by policy, forward and backward
     memory: Memory | None = None  # XLA's memory analysis of both programs
+    # The backward's estimated cost by the forward operation it comes from, costliest
+    # first (`provenance`); None for a loaded export (its programs carry no numbers).
+    backward_by_op: tuple[BackwardCost, ...] | None = None
 
     def __str__(self) -> str:
         rows = [("#", "shape", "dtype", "bytes", "kind", "produced by", "source", "why")]
         for i, s in enumerate(self.saved):
             rows.append((str(i), str(list(s.shape)), s.dtype, f"{s.nbytes:,}",
                          "input" if s.is_input else "activation", s.primitive, s.source, s.reason))
-        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        lines = [f"aotgrad.explain({self.function}), partitioner={self.partitioner!r}"]
-        for k, r in enumerate(rows):
-            lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
-            if k == 0:
-                lines.append("  ".join("-" * w for w in widths))
+        lines = [f"aotgrad.explain({self.function}), partitioner={self.partitioner!r}", *_table(rows)]
         lines.append(f"saved activations: {_mb(self.saved_bytes)} in "
                      f"{sum(not s.is_input for s in self.saved)} arrays; saved inputs: "
                      f"{_mb(self.saved_input_bytes)} in {sum(s.is_input for s in self.saved)} arrays")
@@ -92,10 +93,33 @@ class Report:
             m = self.memory
             lines.append(f"XLA memory: forward peak {_mb(m.forward_peak or 0)} (scratch {_mb(m.forward_temp or 0)}), "
                          f"backward peak {_mb(m.backward_peak or 0)} (scratch {_mb(m.backward_temp or 0)})")
+        if self.backward_by_op:
+            lines.extend(self._backward_table(TOP_BACKWARD_OPS))
         t = self.timings
         lines.append(f"seconds: trace {t.trace:.3f}, partition {t.partition:.3f}, "
                      f"lower {t.lower:.3f}, compile {t.compile:.3f}")
         return "\n".join(lines)
+
+
+    def _backward_table(self, top: int) -> list[str]:
+        rows = [("backward of", "est. FLOPs", "bytes", "equations", "recomputed")]
+        for c in self.backward_by_op[:top]:
+            rows.append((str(c).removeprefix("backward of "), f"{c.flops:,.0f}", f"{c.bytes:,}",
+                         str(c.equations), str(c.recomputed)))
+        shown = min(top, len(self.backward_by_op))
+        return [f"backward cost by forward operation (top {shown} of {len(self.backward_by_op)}):",
+                *_table(rows, indent="  ")]
+
+
+def _table(rows: list[tuple[str, ...]], indent: str = "") -> list[str]:
+    """Rows as aligned columns, the first row a header underlined with dashes."""
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = []
+    for k, r in enumerate(rows):
+        lines.append(indent + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+        if k == 0:
+            lines.append(indent + "  ".join("-" * w for w in widths))
+    return lines
 
 
 def _mb(n: int) -> str:
@@ -132,7 +156,9 @@ def explain(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None
 
 
 def _report(f: AOTFunction, call: Any, paths: list[str], pair: ProgramPair, timings: Timings,
-            memory: "Memory") -> Report:
+            memory: "Memory", costs: bool = True) -> Report:
+    """The report of `pair`; `costs=False` leaves out the backward-cost table (an export's
+    shapes may be symbolic)."""
     sp = pair.split
     n_consts = len(call.entry.fwd.consts)
     saved = []
@@ -149,4 +175,5 @@ def _report(f: AOTFunction, call: Any, paths: list[str], pair: ProgramPair, timi
         forward_jaxpr=sp.forward, backward_jaxpr=sp.backward, saved=tuple(saved),
         saved_bytes=sum(s.nbytes for s in saved if not s.is_input),
         saved_input_bytes=sum(s.nbytes for s in saved if s.is_input),
-        recomputed=sp.recomputed, timings=timings, casts=pair.casts, memory=memory)
+        recomputed=sp.recomputed, timings=timings, casts=pair.casts, memory=memory,
+        backward_by_op=backward_costs(sp.backward.jaxpr, len(pair.graph.cotangents)) if costs else None)

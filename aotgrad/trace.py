@@ -11,10 +11,12 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr
 from jax.tree_util import tree_flatten
 
+from aotgrad._jax_internals import bind_eqn
 from aotgrad.autocast.context import Setting
 from aotgrad.autocast.rewrite import has_markers, rewrite_closed
 from aotgrad.interpret import INLINE_RULES, eval_jaxpr
 from aotgrad.partition import JointGraph
+from aotgrad.provenance import numbered
 from aotgrad.signature import check_output_leaves
 
 __all__ = ["ForwardTrace", "differentiable", "trace_forward", "trace_joint"]
@@ -35,10 +37,14 @@ class ForwardTrace:
     def out_avals(self) -> tuple[Any, ...]:
         return tuple(self.jaxpr.out_avals)
 
-    def __call__(self, *inputs: Any, rules: dict | None = None) -> list[Any]:
-        """(consts..., leaves...) -> flat outputs; `rules` as in `interpret.eval_jaxpr`."""
+    def __call__(self, *inputs: Any, rules: dict | None = None, number: bool = False) -> list[Any]:
+        """(consts..., leaves...) -> flat outputs; `rules` as in `interpret.eval_jaxpr`.
+        `number`: bind each equation under its sequence number (`provenance`)."""
         n = len(self.consts)
-        return eval_jaxpr(self.jaxpr.jaxpr, inputs[:n], inputs[n:], rules)
+        bind = bind_eqn
+        if number:
+            rules, bind = numbered(self.jaxpr.jaxpr, rules)
+        return eval_jaxpr(self.jaxpr.jaxpr, inputs[:n], inputs[n:], rules, bind=bind)
 
 
 def trace_forward(flat_fn: Callable[..., Any], fn_name: str, avals: Sequence[Any],
@@ -76,7 +82,8 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
     `perturbed[i]`: input i is differentiated. `has_ct[j]`: output j receives a cotangent
     (the others, integer outputs and auxiliary data, get zero cotangents). `rules`
     re-bind forward equations before differentiation (scan bodies cut on their own,
-    `partition.scan`).
+    `partition.scan`). Every equation carries the sequence number of the forward
+    equation it comes from (`provenance`).
     """
     in_avals = list(fwd.in_avals)
     diff_pos = [i for i, p in enumerate(perturbed) if p]
@@ -90,7 +97,7 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
             full = list(inputs)
             for i, d in zip(diff_pos, diff):
                 full[i] = d
-            return fwd(*full, rules=rules)
+            return fwd(*full, rules=rules, number=True)
 
         outs, vjp = jax.vjp(f, *[inputs[i] for i in diff_pos])
         full_cts = [_zero_cotangent(a) for a in fwd.out_avals]

@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
-__all__ = ["JointGraph", "live_eqns"]
+__all__ = ["JointGraph", "live_eqns", "reachable"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -50,19 +50,20 @@ class JointGraph:
     @functools.cached_property
     def backward(self) -> frozenset[Var]:
         """Values that depend on a cotangent: they can only be computed in the backward."""
-        return _reachable(self.eqns, self.cotangents)
+        return reachable(self.eqns, self.cotangents)
 
     @functools.cached_property
     def input_dependent(self) -> frozenset[Var]:
         """Values that depend on an input or a cotangent; the rest are constants, cheap to
         rebuild anywhere (zeros, iotas) and never worth saving."""
-        return _reachable(self.eqns, list(self.closed.jaxpr.invars))
+        return reachable(self.eqns, list(self.closed.jaxpr.invars))
 
     def is_backward_eqn(self, eqn: JaxprEqn) -> bool:
         return any(isinstance(v, Var) and v in self.backward for v in eqn.invars)
 
 
-def _reachable(eqns: Iterable[JaxprEqn], seeds: Iterable[Var]) -> frozenset[Var]:
+def reachable(eqns: Iterable[JaxprEqn], seeds: Iterable[Var]) -> frozenset[Var]:
+    """The values computed from `seeds` (included) by `eqns`, in program order."""
     found = set(seeds)
     for eqn in eqns:
         if any(isinstance(v, Var) and v in found for v in eqn.invars):
