@@ -11,16 +11,26 @@ recomputed at their FLOP cost, and the cut is solved again for a ladder of price
 solution is the cheapest (in recompute + traffic) for its saved bytes. Greedy cuts fill
 the gaps pricing skips. The chosen cut is the cheapest candidate that fits the budget;
 because the candidates do not depend on the budget, saved bytes are monotone in it.
+
+A scan extends its body's ladder below "save only the carries" (`scan_schedule`): the
+carry is saved every k-th iteration and the backward recomputes each segment of k
+iterations from its checkpoint (nested remat, k up to about sqrt(n)).
 """
 from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 from jax.extend.core import Var
 
-from aotgrad.partition.min_cut import Cut, Problem
 from aotgrad.partition.rules import Kind
 
-__all__ = ["GREEDY_STEPS", "PRICES", "ladder", "within_budget"]
+if TYPE_CHECKING:  # min_cut imports scan, which imports scan_schedule from here
+    from aotgrad.partition.min_cut import Cut, Problem
+
+__all__ = ["GREEDY_STEPS", "PRICES", "ScanSchedule", "ladder", "scan_schedule", "within_budget"]
 
 # Extra cost per saved byte, in the cost model's units (a byte moved costs 1 or 2).
 PRICES = tuple(2.0 ** k for k in range(-4, 13))
@@ -78,3 +88,52 @@ def within_budget(problem: Problem, budget: float) -> dict[Var, str]:
     best = min(fitting, key=lambda c: (_runtime_cost(c, relaxed), -c.activation_bytes))
     return best.reasons(f"budget {budget:g}: fits in {limit:,.0f} bytes, cheapest to keep",
                         costly_banned=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanSchedule:
+    """How one scan is differentiated: its body cut at `body_budget`, and the carry
+    checkpointed every `every` iterations (1: the body's cut is saved every iteration)."""
+    body_budget: float
+    every: int
+
+
+def scan_schedule(length: int, carry: int, per_iteration: tuple[int, int], sliced: int,
+                  budget: float) -> ScanSchedule:
+    """The schedule of a scan of `length` iterations at `budget`.
+
+    `carry`: bytes of one iteration's carry; `per_iteration`: bytes one iteration saves
+    under its body's cut at body budgets 0 and 1 (the carry included); `sliced`: bytes of
+    one iteration's slices of `xs` and `ys`. The levels, from most to least saved bytes:
+
+    - every = 1: `length` x the body's bytes, for each body budget (its own ladder);
+    - every = k > 1: ceil(length / k) carries. The backward recomputes one segment at a
+      time, so about ceil(length / k) x carry + k x (body bytes at budget 0) are live,
+      plus the segment's slices of `xs` / `ys` and their cotangents (2 k x `sliced`,
+      copied in and out of the segment; the stacked layer weights of a scanned model).
+      k grows only while that estimate of the peak falls (k up to about sqrt(length)),
+      so saved bytes and the peak both fall as the budget does.
+
+    The budget spans these levels in bytes, as `within_budget` spans a ladder: the limit
+    is B0 + budget x (B1 - B0); every = 1 is preferred whenever it fits (no extra
+    forward), else the smallest k that fits.
+    """
+    r0, r1 = per_iteration
+
+    def peak(k: int) -> int:
+        return length * r0 + 2 * sliced if k == 1 else math.ceil(length / k) * carry + k * (r0 + 2 * sliced)
+
+    segments = [1]
+    for k in range(2, length + 1):  # while the peak estimate falls, each new saved level
+        if peak(k) >= peak(segments[-1]):
+            break
+        if math.ceil(length / k) < math.ceil(length / segments[-1]):
+            segments.append(k)
+    if len(segments) == 1:  # segments would not lower the peak: the body's own ladder
+        return ScanSchedule(budget, 1)
+    b0 = math.ceil(length / segments[-1]) * carry
+    limit = b0 + budget * max(length * r1 - b0, 0)
+    if length * r0 <= limit:
+        body = 1.0 if r1 <= r0 else min(max((limit / length - r0) / (r1 - r0), 0.0), 1.0)
+        return ScanSchedule(body, 1)
+    return ScanSchedule(0.0, next(k for k in segments[1:] if math.ceil(length / k) * carry <= limit))

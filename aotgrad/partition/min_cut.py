@@ -223,8 +223,8 @@ class Cut:
             prim = primitive.name
             kind = problem.kind_of_value(problem.position[v])
             if kind is Kind.UNSAFE and is_cut_scan(graph.eqns[graph.producer[v]]):
-                out[v] = ("banned: a scan cut per iteration is not run twice (the budget applies "
-                          "inside its body)")
+                out[v] = ("banned: a scan cut inside its body is not run twice (the budget applies "
+                          "inside it: per iteration, or to carries saved every k-th iteration)")
             elif kind is Kind.UNSAFE and primitive in FLOAT_EQUALITY:
                 out[v] = (f"banned: {prim} of values widened from 16 bits is never run twice "
                           f"(a recomputed operand may round differently)")

@@ -9,6 +9,13 @@ same strategy and budget, and the body is wrapped in
 stacks exactly those values (and the carries) as the scan's residuals and recomputes the
 rest inside the backward scan's body. Both programs keep the scan as a scan. The
 memory budget acts inside the body; the graph-level cut does not recompute a cut scan.
+
+Below "save the cut every iteration", a budget checkpoints the carry every k-th
+iteration (`budget.scan_schedule`): the scan becomes a scan over segments of k
+iterations, each segment a `jax.checkpoint` (saving nothing) of an inner scan of the cut
+body, so the forward saves one carry per segment and the backward recomputes one segment
+at a time with the body's cut (nested remat). A remainder of n mod k iterations is one
+more, shorter segment.
 """
 from __future__ import annotations
 
@@ -21,7 +28,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
 from aotgrad._jax_internals import bind_eqn
-from aotgrad.interpret import Rule, eval_jaxpr
+from aotgrad.interpret import Rule, eval_jaxpr, sub_jaxprs
+from aotgrad.partition import costs
+from aotgrad.partition.budget import ScanSchedule, scan_schedule
 
 __all__ = ["BodyCut", "is_cut_scan", "partition_scans"]
 
@@ -42,7 +51,7 @@ def partition_scans(cut: BodyCut, budget: float) -> dict[Any, Rule]:
         if body.jaxpr.effects:  # a body with effects cannot be checkpointed: jax.vjp's residuals
             return bind_eqn(eqn, invals)
         nc, ncar = p["num_consts"], p["num_carry"]
-        names = _cut_names(body, cut, budget, rules)
+        names, schedule = _cut_names(body, cut, budget, rules, p["length"], carries=slice(nc, nc + ncar))
 
         policy = jax.checkpoint_policies.save_only_these_names(*names)
         step = jax.checkpoint(lambda *xs: _eval_named(body, xs, rules), policy=policy)
@@ -52,13 +61,40 @@ def partition_scans(cut: BodyCut, budget: float) -> dict[Any, Rule]:
             outs = step(*consts, *carry, *x)
             return outs[:ncar], outs[ncar:]
 
-        carry, ys = jax.lax.scan(scan_body, list(invals[nc:nc + ncar]), list(invals[nc + ncar:]),
-                                 length=p["length"], reverse=p["reverse"], unroll=p["unroll"],
-                                 _split_transpose=p.get("_split_transpose", False))
+        options = dict(reverse=p["reverse"], unroll=p["unroll"], _split_transpose=p.get("_split_transpose", False))
+        init, xs = list(invals[nc:nc + ncar]), list(invals[nc + ncar:])
+        if schedule.every == 1:
+            carry, ys = jax.lax.scan(scan_body, init, xs, length=p["length"], **options)
+        else:
+            carry, ys = _segmented(scan_body, init, xs, p["length"], schedule.every, options)
         return [*carry, *ys]
 
     rules[P.scan_p] = scan_rule
     return rules
+
+
+def _segmented(body: Callable, init: list, xs: list, length: int, every: int, options: dict) -> tuple[list, list]:
+    """`lax.scan(body, init, xs, length)` as scans over segments of `every` iterations:
+    each segment is checkpointed (only its incoming carry is saved) and recomputed in
+    the backward. The last n mod k iterations form one shorter segment."""
+    full = length - length % every
+    parts = [(0, full, every), (full, length, length - full)]  # (start, stop, segment length)
+    parts = [part for part in parts if part[1] > part[0]]
+    if options["reverse"]:  # a reversed scan runs the last iterations first
+        parts.reverse()
+    carry, ys_parts = init, {}
+    for start, stop, size in parts:
+        count = (stop - start) // size
+
+        @jax.checkpoint
+        def segment(carry: list, x: list, size: int = size) -> tuple[list, list]:
+            return jax.lax.scan(body, carry, x, length=size, **options)
+
+        x = [a[start:stop].reshape(count, size, *a.shape[1:]) for a in xs]
+        carry, ys = jax.lax.scan(segment, carry, x, length=count, reverse=options["reverse"])
+        ys_parts[start] = [a.reshape(count * size, *a.shape[2:]) for a in ys]
+    ordered = [ys_parts[start] for start in sorted(ys_parts)]
+    return carry, [jax.numpy.concatenate(arrays) if len(arrays) > 1 else arrays[0] for arrays in zip(*ordered)]
 
 
 def _eval_named(body: ClosedJaxpr, args: Any, rules: dict) -> list:
@@ -83,28 +119,43 @@ def _nameable(eqn: JaxprEqn, v: Any) -> bool:
             and (jax.numpy.issubdtype(dtype, np.number) or jax.numpy.issubdtype(dtype, np.bool_)))
 
 
-def _cut_names(body: ClosedJaxpr, cut: BodyCut, budget: float, rules: dict) -> tuple[str, ...]:
-    """The names of the body values the cut saves, per iteration."""
+def _cut_names(body: ClosedJaxpr, cut: BodyCut, budget: float, rules: dict, length: int,
+               carries: slice) -> tuple[tuple[str, ...], ScanSchedule]:
+    """The scan's schedule at `budget`, and the names of the body values its cut saves
+    per iteration. `carries`: the positions of the carries among the body's inputs."""
     from aotgrad.trace import ForwardTrace, differentiable, trace_joint
     avals = [v.aval for v in body.jaxpr.invars]
     named = jax.make_jaxpr(lambda *xs: _eval_named(body, xs, rules))(*avals)
     fwd = ForwardTrace(named, (), tuple(avals), None)
     graph = trace_joint(fwd, tuple(map(differentiable, avals)), tuple(map(differentiable, named.out_avals)))
-    saved = cut(graph, budget)
+    inputs = set(graph.inputs)
+    carry = sum(costs.nbytes(a) for a in avals[carries])
+    sliced = sum(costs.nbytes(a) for a in (*avals[carries.stop:], *body.out_avals[carries.stop - carries.start:]))
+
+    def per_iteration(saved: dict) -> int:
+        return carry + sum(costs.nbytes(v.aval) for v in saved if v not in inputs)
+
+    ends = {b: cut(graph, b) for b in (0.0, 1.0)}
+    schedule = scan_schedule(length, carry, (per_iteration(ends[0.0]), per_iteration(ends[1.0])), sliced,
+                             budget)
+    saved = ends[schedule.body_budget] if schedule.body_budget in ends else cut(graph, schedule.body_budget)
     name_of: dict[Var, str] = {}
     for eqn in graph.eqns:
         if eqn.primitive is P.name_p and eqn.params["name"].startswith(_PREFIX):
             for v in (*eqn.invars, *eqn.outvars):
                 if isinstance(v, Var):
                     name_of[v] = eqn.params["name"]
-    return tuple(sorted({name_of[v] for v in saved if v in name_of}))
+    return tuple(sorted({name_of[v] for v in saved if v in name_of})), schedule
 
 
 def is_cut_scan(eqn: JaxprEqn) -> bool:
     """Whether `eqn` is a scan whose body was cut here (its residuals are the cut's). The
     graph-level cut never recomputes such a scan whole: the budget already acted inside
-    its body, and a recomputed forward scan would cost a whole extra forward."""
-    if eqn.primitive is not P.scan_p:
-        return False
-    return any(e.primitive is P.name_p and e.params["name"].startswith(_PREFIX)
-               for e in eqn.params["jaxpr"].jaxpr.eqns)
+    its body, and a recomputed forward scan would cost a whole extra forward. A scan
+    over checkpointed segments holds the cut body one level down."""
+    return eqn.primitive is P.scan_p and any(map(_holds_names, sub_jaxprs(eqn)))
+
+
+def _holds_names(jaxpr: Any) -> bool:
+    return any((e.primitive is P.name_p and e.params["name"].startswith(_PREFIX))
+               or any(map(_holds_names, sub_jaxprs(e))) for e in jaxpr.eqns)
