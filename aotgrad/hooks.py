@@ -44,7 +44,7 @@ class Hook:
 
     @property
     def name(self) -> str:
-        return f"{self.kind} {getattr(self.fn, '__qualname__', None) or self.fn!r}"
+        return f"{self.kind} {getattr(self.fn, '__qualname__', None) or repr(self.fn)}"
 
 
 class HookHandle:
