@@ -24,6 +24,7 @@ from aotgrad.config import Snapshot, config
 from aotgrad.hooks import ArgLayout, Hooks, InForce, with_hooks
 from aotgrad.partition import JointGraph, Split, partition, scan_rules
 from aotgrad.signature import ArrayImpl
+from aotgrad.symbolic_zeros import without_zero_cotangents
 from aotgrad.trace import ForwardTrace, differentiable, trace_joint
 
 __all__ = ["Backward", "Entry", "GuardedBackward", "ProgramPair", "Saved", "Timings"]
@@ -135,38 +136,48 @@ class ProgramPair:
 
 class Backward:
     """How a pair's backward program runs: one jitted program per set of gradient shardings
-    (a forward over several devices pins them; else XLA chooses) and per set of hooks
-    (traced in around the backward: `hooks.with_hooks`)."""
+    (a forward over several devices pins them; else XLA chooses), per set of cotangents
+    known to be zero (auxiliary outputs: they are not inputs of that program) and per set
+    of hooks (traced in around the backward: `hooks.with_hooks`)."""
 
     def __init__(self, pair: ProgramPair) -> None:
         self.pair = pair
-        self.function = (anomaly.checked(pair.split.backward) if pair.detect_anomaly
-                         else jaxpr_as_fun(pair.split.backward))
         self.donated = _aliasable(pair.split.backward, pair.n_activations) if pair.donate_saved else ()
-        self.programs: dict[Any, Any] = {}  # (gradient shardings, hooks) -> backward program
+        self.programs: dict[Any, Any] = {}  # (gradient shardings, present cotangents, hooks) -> program
         self.plain = self.program(None)
 
-    def __call__(self, saved: "Saved", cts: Sequence[Any]) -> list[Any]:
-        if saved.grad_shardings is None and saved.hooks is None:
+    def __call__(self, saved: "Saved", cts: Sequence[Any], present: tuple[bool, ...] | None = None) -> list[Any]:
+        """`cts`: the cotangents marked present (all when `present` is None)."""
+        if saved.grad_shardings is None and present is None and saved.hooks is None:
             return self.plain(*saved.arrays, *cts)
-        return self.program(saved.grad_shardings, saved.hooks)(*saved.arrays, *cts)
+        return self.program(saved.grad_shardings, present, saved.hooks)(*saved.arrays, *cts)
 
-    def program(self, shardings: tuple[Any, ...] | None, hooks: InForce | None = None) -> Any:
-        """The jitted backward, with out_shardings pinned to the gradients' shardings and
-        `hooks` traced in."""
-        key = (shardings, hooks.hooks if hooks else ())
+    def function(self, present: tuple[bool, ...] | None, hooks: InForce | None = None) -> Callable[..., Any]:
+        """The backward as a function of (saved..., present cotangents...), hooks traced in."""
+        pair = self.pair
+        backward = pair.split.backward
+        has_ct = pair.has_ct
+        if present is not None:
+            backward = without_zero_cotangents(backward, len(backward.in_avals) - len(present), present)
+            given = iter(present)
+            has_ct = tuple(c and next(given) for c in has_ct)
+        function = anomaly.checked(backward) if pair.detect_anomaly else jaxpr_as_fun(backward)
+        if hooks:  # per-leaf hooks are placed in the plain backward's equation order
+            function = with_hooks(function, None if pair.detect_anomaly else backward, hooks,
+                                  pair.perturbed, has_ct)
+        return function
+
+    def program(self, shardings: tuple[Any, ...] | None, present: tuple[bool, ...] | None = None,
+                hooks: InForce | None = None) -> Any:
+        """The jitted backward, with out_shardings pinned to the gradients' shardings."""
+        key = (shardings, present, hooks.hooks if hooks else ())
         program = self.programs.get(key)
         if program is None:
             pinned = {}
             if shardings is not None:
                 codes = [None] if self.pair.detect_anomaly else []  # anomaly's codes: XLA chooses
                 pinned["out_shardings"] = [*shardings, *codes]
-            function = self.function
-            if hooks:
-                pair = self.pair  # per-leaf hooks are placed in the plain backward's equation order
-                jaxpr = None if pair.detect_anomaly else pair.split.backward
-                function = with_hooks(function, jaxpr, hooks, pair.perturbed, pair.has_ct)
-            program = jax.jit(function, donate_argnums=self.donated, **pinned)
+            program = jax.jit(self.function(present, hooks), donate_argnums=self.donated, **pinned)
             self.programs[key] = program
         return program
 
@@ -175,12 +186,12 @@ class GuardedBackward(Backward):
     """The backward under donate_saved (it refuses released values and releases them after)
     and/or detect_anomaly (it raises where a NaN/Inf first appeared)."""
 
-    def __call__(self, saved: "Saved", cts: Sequence[Any]) -> list[Any]:
+    def __call__(self, saved: "Saved", cts: Sequence[Any], present: tuple[bool, ...] | None = None) -> list[Any]:
         pair = self.pair
         owned = [a for a in saved.arrays[:pair.n_activations] if type(a) is ArrayImpl]
         if pair.donate_saved and any(a.is_deleted() for a in owned):
             raise RuntimeError(_RELEASED.format(owner=pair.owner))
-        results = self.program(saved.grad_shardings, saved.hooks)(*saved.arrays, *cts)
+        results = self.program(saved.grad_shardings, present, saved.hooks)(*saved.arrays, *cts)
         if pair.donate_saved:
             for a in owned:  # XLA consumed those it aliased; release the rest now
                 a.delete()
@@ -258,7 +269,9 @@ class Entry:
         if pair is None:
             if config.log_recompiles and self.pairs:
                 n = len(self.fwd.consts)
-                old = next(reversed(self.pairs))[0]
+                # Blame the nearest pattern built (fewest differently differentiated inputs).
+                old = min((k[0] for k in reversed(self.pairs)),
+                          key=lambda o: sum(a != b for a, b in zip(o, perturbed)))
                 logger.warning("aotgrad: compiling %s again: differentiated inputs changed: %s -> %s",
                                self.owner, _mask_text(old[n:]), _mask_text(perturbed[n:]))
             pair = ProgramPair.build(self.owner, self.fwd, perturbed, has_ct, self.options)
@@ -293,8 +306,13 @@ class Entry:
 
         def bwd(saved: Saved, cts: Sequence[Any]) -> tuple[Any, ...]:
             pair = saved.pair
-            real = [_instantiate(ct) for ct, c in zip(cts, has_ct) if c]
-            grads = iter(pair.run_backward(saved, real))
+            given = [ct for ct, c in zip(cts, has_ct) if c]
+            present = tuple(not isinstance(ct, SymbolicZero) for ct in given)
+            if all(present) or pair.detect_anomaly:  # anomaly reports name the full backward's equations
+                grads = iter(pair.run_backward(saved, [_instantiate(ct) for ct in given]))
+            else:  # e.g. auxiliary outputs: their zero cotangents are not inputs of the program
+                grads = iter(pair.run_backward(saved, [ct for ct in given if not isinstance(ct, SymbolicZero)],
+                                               present))
             return tuple(next(grads) if p else None for p in pair.perturbed)
 
         call.defvjp(fwd, bwd, symbolic_zeros=True)

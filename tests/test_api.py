@@ -218,6 +218,16 @@ def test_log_recompiles_names_the_cause(caplog):
     assert text.count("compiling") == 4  # the call after the patch reuses the first entry
 
 
+def test_log_recompiles_blames_the_nearest_differentiation_pattern(caplog):
+    f = aotgrad.compile(lambda a, b, c: jnp.sum(a * b * c))
+    x = jnp.ones(3)
+    with aotgrad.config.patch(log_recompiles=True), caplog.at_level(logging.WARNING, "aotgrad"):
+        jax.grad(f, argnums=(0, 1))(x, x, x)
+        jax.grad(f, argnums=2)(x, x, x)
+        jax.grad(f, argnums=(0, 1, 2))(x, x, x)  # one input away from the first pattern
+    assert "differentiated inputs changed: [dd-] -> [ddd]" in caplog.text
+
+
 def test_debug_dir_dumps_both_programs(tmp_path):
     f = aotgrad.compile(_mlp)
     with aotgrad.config.patch(debug_dir=str(tmp_path)):
@@ -352,6 +362,32 @@ def test_has_aux():
     jout, jres, jaux = jfwd(X)
     assert_trees_close((out, aux), (jout, jaux))
     assert_trees_close(bwd(saved, 1.0), jbwd(jres, jnp.ones(())))
+
+
+def _aux_loss(w, x):
+    def layer(h, _):
+        h = jnp.tanh(h @ w)
+        return h, jnp.sin(h)
+    h, per_step = jax.lax.scan(layer, x, None, length=3)
+    big = jnp.cos(h) @ w
+    return jnp.sum(h ** 2), {"big": big, "steps": per_step, "n": jnp.int32(3)}
+
+
+@pytest.mark.parametrize("wrap", [lambda g: g, jax.jit], ids=["eager", "jit"])
+def test_aux_outputs_are_not_backward_inputs(wrap):
+    # Auxiliary outputs get symbolic-zero cotangents: the backward must not read zeros
+    # for them (materialized zeros cost memory and time) and gradients must equal JAX's.
+    w = jax.random.normal(jax.random.key(1), (6, 6)) * 0.3
+    f = aotgrad.compile(_aux_loss)
+    (out, aux), g = wrap(jax.value_and_grad(f, has_aux=True))(w, X)
+    (want, want_aux), want_g = jax.value_and_grad(_aux_loss, has_aux=True)(w, X)
+    assert_trees_close((out, aux, g), (want, want_aux, want_g))
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(f, has_aux=True))(w, X).jaxpr
+    *_, forward, backward = [e for e in jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
+    reads = [v for v in backward.invars if not isinstance(v, jax.extend.core.Literal)]
+    # Saved activations and inputs only; the loss cotangent is the literal 1.0.
+    assert set(reads) <= set(forward.outvars[4:]) | set(jaxpr.invars), \
+        "the backward reads cotangents built outside the forward"
 
 
 def test_hessian_forward_over_reverse_matches_jax():

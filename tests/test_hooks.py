@@ -196,6 +196,9 @@ def test_has_aux_prehook_sees_none_for_the_aux_output():
     out, saved, aux = fwd(p, x)
     _close(bwd(saved, jnp.ones_like(out)), jax.tree.map(lambda v: 2.0 * v, jax.grad(_loss)(p, x)))
     assert seen[0][1] is None
+    seen.clear()  # under jax.grad(has_aux=True) the aux cotangent is a symbolic zero: None too
+    _close(jax.grad(f, has_aux=True)(p, x)[0], jax.tree.map(lambda v: 2.0 * v, jax.grad(_loss)(p, x)))
+    assert seen[0][1] is None
 
 
 def test_debug_callback_in_a_hook_fires_once_per_backward():
