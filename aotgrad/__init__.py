@@ -5,6 +5,7 @@
 
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     fwd, bwd = aotgrad.fwd_and_bwd(loss_fn, argnums=0)
+    loss_fn.register_hook(lambda g, path: jnp.clip(g, -1, 1), per_leaf=True)   # traced into the backward
     print(aotgrad.explain(loss_fn, params, batch))
 
     with aotgrad.autocast("gpu", dtype=jnp.bfloat16):   # per-op mixed precision
@@ -27,6 +28,8 @@ from aotgrad.export import Exported as Exported
 from aotgrad.export import ExportError as ExportError
 from aotgrad.export import deserialize as deserialize
 from aotgrad.export import export as export
+from aotgrad.hooks import HookHandle as HookHandle
+from aotgrad.hooks import grad_hook as grad_hook
 from aotgrad.loss_scale import DynamicLossScale as DynamicLossScale
 from aotgrad.loss_scale import all_finite as all_finite
 from aotgrad.loss_scale import select_tree as select_tree
@@ -38,7 +41,7 @@ from aotgrad.runtime import Saved as Saved
 from aotgrad.runtime import Timings as Timings
 
 __all__ = ["AOTFunction", "CacheInfo", "CastCounts", "Compiled", "ConfigError", "DynamicLossScale", "Lowered",
-           "Memory", "Report", "Saved", "SavedValue", "Timings", "all_finite", "autocast", "autocast_policy_table",
-           "compile", "config", "explain", "fwd_and_bwd", "partition", "register_autocast_policy", "select_tree"]
+           "HookHandle", "Memory", "Report", "Saved", "SavedValue", "Timings", "all_finite", "autocast", "autocast_policy_table",
+           "compile", "config", "explain", "fwd_and_bwd", "grad_hook", "partition", "register_autocast_policy", "select_tree"]
 
 __version__ = "0.1.0"

@@ -20,6 +20,7 @@ from aotgrad import jit_key
 from aotgrad.autocast.context import current_setting, current_state
 from aotgrad.compilation_cache import ensure_compilation_cache
 from aotgrad.config import config, keyed_only
+from aotgrad.hooks import HOOK, LEAF, PREHOOK, ArgLayout, HookHandle, Hooks
 from aotgrad.nnx import NnxCall, has_graph_nodes
 from aotgrad.runtime import Entry, ProgramPair, Saved, Timings
 from aotgrad.signature import (ArgSpec, CallKey, ArrayImpl, Static, aval_key, describe_key_change, key_distance,
@@ -40,11 +41,13 @@ _FORWARD_MODE_HINT = (
 
 @dataclasses.dataclass(frozen=True)
 class CacheInfo:
-    """What one compiled function holds: signatures (entries) and program pairs."""
+    """What one compiled function holds: signatures (entries), program pairs, and backward
+    programs (a pair has one per set of hooks and of gradient shardings it ran with)."""
     entries: int
     pairs: int
     hits: int
     misses: int
+    backwards: int = 0
 
 
 class _Call(NamedTuple):
@@ -83,6 +86,7 @@ class AOTFunction:
         self._hits = self._misses = 0
         self._nnx: Any = None  # an `nnx.NnxCall`, made on the first call with flax graph
         # nodes among the arguments; False for the function an NnxCall traces (its Variables are leaves)
+        self._hooks = Hooks(self._spec.fn_name)
 
     @property
     def name(self) -> str:
@@ -149,7 +153,9 @@ class AOTFunction:
         fwd = trace_forward(flat_fn, self.name, tuple(map(jax.typeof, leaves)), key.autocast)
         arg_positions = tuple(i for i in range(n_args) if i not in self._spec.static_argnums
                               and (i - n_args) not in self._spec.static_argnums)
-        entry = Entry(self.name, fwd, in_tree, arg_positions, snapshot, self._donate)
+        layout = ArgLayout(self.name, len(fwd.consts), in_tree, arg_positions, n_args,
+                           tuple(leaf_paths(self._spec, in_tree)), fwd.out_tree)
+        entry = Entry(self.name, fwd, in_tree, arg_positions, snapshot, self._donate, self._hooks, layout)
         if any(isinstance(c, Tracer) for c in fwd.consts):
             return entry  # closes over an enclosing transform's tracers: valid for this call only
         with self._lock:
@@ -183,6 +189,46 @@ class AOTFunction:
                            "identity: passing another object, even an equal one, compiles again.",
                            self.name, ", ".join(found) + (" is" if len(found) == 1 else " are"))
 
+    # ---------------------------------------------------------------- hooks
+
+    def register_prehook(self, fn: Callable[[Any], Any]) -> HookHandle:
+        """Adds a hook on the output cotangent, traced into the start of the backward program.
+
+        Hooks run in registration order, in every backward whose forward ran while they were
+        registered (under `jax.grad`, `jax.vjp`, `fwd_and_bwd`, inside `jax.jit`). Adding or
+        removing one builds a backward program only; removing it finds the earlier one again.
+
+        Arguments:
+            fn: `fn(cotangent) -> cotangent | None`. `cotangent` has the structure of the
+                function's output, with None at outputs that take no cotangent (integer
+                outputs, `has_aux` auxiliaries); the result must match it leaf for leaf in
+                shape and dtype (None keeps it).
+
+        Returns a handle whose `.remove()` removes the hook.
+        """
+        return self._hooks.add(fn, PREHOOK)
+
+    def register_hook(self, fn: Callable[..., Any], per_leaf: bool = False) -> HookHandle:
+        """Adds a hook on the gradients, traced into the backward program.
+
+        Arguments:
+            fn: with `per_leaf=False`, `fn(grads, cotangent) -> grads | None`, run at the end
+                of the backward: `grads` is a tuple with one entry per positional argument
+                (the argument's pytree of gradients; None for an argument not differentiated,
+                and None leaves in one partly differentiated), `cotangent` as the prehooks
+                left it. With `per_leaf=True`, `fn(grad, path) -> grad | None` for each
+                gradient leaf (`path` reads e.g. ``params['w']``), run as soon as that leaf's
+                gradient is final in the backward program: the leaf last used latest in the
+                forward first, so a collective in the hook (a `psum` under `shard_map`)
+                overlaps the rest of the backward. Per-leaf hooks registered after a
+                whole-gradient hook run after it, at the end. Results must match their
+                input in structure, shape and dtype (None keeps it).
+            per_leaf: call `fn` once per gradient leaf, as described.
+
+        Returns a handle whose `.remove()` removes the hook.
+        """
+        return self._hooks.add(fn, LEAF if per_leaf else HOOK)
+
     # ---------------------------------------------------------------- ahead of time
 
     def lower(self, *args: Any, **kwargs: Any) -> "Lowered":
@@ -203,8 +249,9 @@ class AOTFunction:
     def cache_info(self) -> CacheInfo:
         """Entries (call signatures), program pairs, hits and misses of this function's cache."""
         with self._lock:
-            pairs = sum(len(e.pairs) for e in self._cache.values())
-            return CacheInfo(len(self._cache), pairs, self._hits, self._misses)
+            pairs = [p for e in self._cache.values() for p in e.pairs.values()]
+            backwards = sum(len(p.run_backward.programs) for p in pairs)
+            return CacheInfo(len(self._cache), len(pairs), self._hits, self._misses, backwards)
 
     def clear_cache(self) -> None:
         """Drops every compiled entry of this function; the next call traces again."""
@@ -318,7 +365,7 @@ def fwd_and_bwd(fn: Callable, argnums: int | Sequence[int] = 0,
             pair, layout = _plan(f.name, call.entry, len(args), nums, has_aux)
             call.entry.plans[token] = pair
             pair.layouts[token] = layout
-        outs, saved = pair.run_forward(call.inputs)
+        outs, saved = pair.run_forward(call.inputs, call.entry.in_force())
         out = tree_unflatten(call.entry.fwd.out_tree, outs)
         return (out[0], saved, out[1]) if has_aux else (out, saved)
 

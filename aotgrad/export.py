@@ -48,6 +48,11 @@ _HEADER = struct.Struct("<8sIQ32s")  # magic, format version, payload length, SH
 _PROGRAMS = ("forward_only", "forward", "backward")
 
 
+_NO_HOOKS = ("aotgrad.Exported({name}): hooks cannot be added to an exported function: its backward "
+             "is the exported program, which hooks cannot enter. Transform the gradients after the "
+             "backward instead.")
+
+
 class ExportError(ValueError):
     """An export that cannot be made, a blob that cannot be loaded, or a call that does not
     match what was exported."""
@@ -94,6 +99,12 @@ def export(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
             raise ExportError(f"{who}: aotgrad.config.{name}=True is not supported by export (its "
                               f"backward is guarded by Python code that is not exported); export "
                               f"under aotgrad.config.patch({name}=False).")
+    if f._hooks.current:
+        raise ExportError(f"{who}: the function has {len(f._hooks.current)} backward hook(s) "
+                          f"({', '.join(h.name for h in f._hooks.current)}); hooks are Python functions "
+                          f"traced into the backward, and an export carries programs only. Remove "
+                          f"them (handle.remove()) before exporting, and apply the same transformation "
+                          f"to the loaded function's gradients.")
     static, _, _ = f._spec.split(args, kwargs)
     call, paths = f.resolved(args, kwargs)
     entry = call.entry
@@ -252,7 +263,8 @@ class _Pair:
         self.layouts: dict[object, Any] = {}
         self._keep = [p for p, q in zip(perturbed, entry.exported_perturbed) if q]
 
-    def run_forward(self, inputs: Sequence[Any]) -> tuple[list[Any], Saved]:
+    def run_forward(self, inputs: Sequence[Any], hooks: Any = None) -> tuple[list[Any], Saved]:
+        assert hooks is None  # an Exported refuses hooks
         results = self.entry.forward(*inputs)
         saved = list(results[self.n_outs:])
         saved.extend(inputs[i] for i in self.entry.saved_inputs)
@@ -302,6 +314,7 @@ class _Entry(Entry):
         self.backward = jax.jit(programs["backward"].call)
         self.pairs: dict[tuple[tuple[bool, ...], tuple[bool, ...]], _Pair] = {}
         self.plans: dict[object, Any] = {}
+        self.hooks = self.layout = None  # the backward is the exported program: no hooks
         self.paths = leaf_paths(_spec_of(meta), self.in_tree)
         self.call = self._differentiable()
 
@@ -457,6 +470,14 @@ class Exported(AOTFunction):
 
     def cache_info(self) -> CacheInfo:
         return CacheInfo(1, len(self._entry.pairs), 0, 0)
+
+    def register_prehook(self, fn: Callable[[Any], Any]) -> Any:
+        """Not supported: the backward is the exported program (raises `ExportError`)."""
+        raise ExportError(_NO_HOOKS.format(name=self.name))
+
+    def register_hook(self, fn: Callable[..., Any], per_leaf: bool = False) -> Any:
+        """Not supported: the backward is the exported program (raises `ExportError`)."""
+        raise ExportError(_NO_HOOKS.format(name=self.name))
 
     def clear_cache(self) -> None:
         """Nothing to clear: the programs are the export."""

@@ -8,7 +8,8 @@ mirrors it into three JAX context states, which JAX keeps per thread:
 
 - the keyed option defaults (global: `aotgrad.config.x = v`),
 - the keyed options of the `config.patch` overrides in force (per thread),
-- the autocast state (per thread).
+- the autocast state (per thread),
+- the backward hooks of every compiled function (global: `hooks.Hooks`).
 
 Options that change no program (`log_recompiles`, ...) are left out, so they never
 retrace. The mirror is written when a context is entered or left; `check` finds the rare
@@ -21,11 +22,12 @@ from typing import Any, Sequence
 
 from aotgrad._jax_internals import Tracer, jit_key_state
 
-__all__ = ["check", "set_autocast", "set_autocast_default", "set_defaults", "set_overrides"]
+__all__ = ["check", "set_autocast", "set_autocast_default", "set_defaults", "set_hooks", "set_overrides"]
 
 _DEFAULTS = jit_key_state("aotgrad_config_defaults", ())
 _OVERRIDES = jit_key_state("aotgrad_config_overrides", ())
 _AUTOCAST = jit_key_state("aotgrad_autocast", None)
+_HOOKS = jit_key_state("aotgrad_hooks", ())
 
 
 def set_defaults(keyed: tuple[tuple[str, Any], ...]) -> None:
@@ -36,6 +38,11 @@ def set_defaults(keyed: tuple[tuple[str, Any], ...]) -> None:
 def set_overrides(keyed: tuple[tuple[str, Any], ...]) -> None:
     """The keyed options among this context's `config.patch` overrides."""
     _OVERRIDES.set_local(keyed)
+
+
+def set_hooks(hooks: tuple[tuple[int, tuple[Any, ...]], ...]) -> None:
+    """The hooks in force, per compiled function (hooks compare by identity)."""
+    _HOOKS.set_global(hooks)
 
 
 def set_autocast(state: Any) -> None:

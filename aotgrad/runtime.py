@@ -21,6 +21,7 @@ from aotgrad import anomaly
 from aotgrad.autocast.backward import autocast_backward
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.config import Snapshot, config
+from aotgrad.hooks import ArgLayout, Hooks, InForce, with_hooks
 from aotgrad.partition import JointGraph, Split, partition, scan_rules
 from aotgrad.signature import ArrayImpl
 from aotgrad.symbolic_zeros import without_zero_cotangents
@@ -94,14 +95,15 @@ class ProgramPair:
 
     # ---------------------------------------------------------------- running
 
-    def run_forward(self, inputs: Sequence[Any]) -> tuple[list[Any], "Saved"]:
+    def run_forward(self, inputs: Sequence[Any], hooks: InForce | None = None) -> tuple[list[Any], "Saved"]:
+        """Runs the forward program; `hooks` (those in force) go to the backward in `Saved`."""
         results = self.forward(*inputs)
         saved = results[self.n_outs:]
         saved.extend(inputs[i] for i in self.split.saved_inputs)
         probe = results[0] if results else None
         if type(probe) is ArrayImpl and type(probe.sharding) is not SingleDeviceSharding:
-            return results[:self.n_outs], Saved(saved, self, self._grad_shardings(inputs))
-        return results[:self.n_outs], Saved(saved, self)  # one device, or traced: XLA chooses
+            return results[:self.n_outs], Saved(saved, self, self._grad_shardings(inputs), hooks)
+        return results[:self.n_outs], Saved(saved, self, None, hooks)  # one device, or traced: XLA chooses
 
     def _grad_shardings(self, inputs: Sequence[Any]) -> tuple[Any, ...]:
         """For a forward that ran over several devices: the differentiated inputs' shardings,
@@ -134,38 +136,49 @@ class ProgramPair:
 
 class Backward:
     """How a pair's backward program runs: one jitted program per set of gradient shardings
-    (a forward over several devices pins them; else XLA chooses) and per set of cotangents
-    known to be zero (auxiliary outputs: they are not inputs of that program)."""
+    (a forward over several devices pins them; else XLA chooses), per set of cotangents
+    known to be zero (auxiliary outputs: they are not inputs of that program) and per set
+    of hooks (traced in around the backward: `hooks.with_hooks`)."""
 
     def __init__(self, pair: ProgramPair) -> None:
         self.pair = pair
         self.donated = _aliasable(pair.split.backward, pair.n_activations) if pair.donate_saved else ()
-        self.programs: dict[Any, Any] = {}  # (gradient shardings, present cotangents) -> program
+        self.programs: dict[Any, Any] = {}  # (gradient shardings, present cotangents, hooks) -> program
         self.plain = self.program(None)
 
     def __call__(self, saved: "Saved", cts: Sequence[Any], present: tuple[bool, ...] | None = None) -> list[Any]:
         """`cts`: the cotangents marked present (all when `present` is None)."""
-        if saved.grad_shardings is None and present is None:
+        if saved.grad_shardings is None and present is None and saved.hooks is None:
             return self.plain(*saved.arrays, *cts)
-        return self.program(saved.grad_shardings, present)(*saved.arrays, *cts)
+        return self.program(saved.grad_shardings, present, saved.hooks)(*saved.arrays, *cts)
 
-    def function(self, present: tuple[bool, ...] | None) -> Callable[..., Any]:
-        """The backward as a function of (saved..., present cotangents...)."""
-        backward = self.pair.split.backward
+    def function(self, present: tuple[bool, ...] | None, hooks: InForce | None = None) -> Callable[..., Any]:
+        """The backward as a function of (saved..., present cotangents...), hooks traced in."""
+        pair = self.pair
+        backward = pair.split.backward
+        has_ct = pair.has_ct
         if present is not None:
             backward = without_zero_cotangents(backward, len(backward.in_avals) - len(present), present)
-        return anomaly.checked(backward) if self.pair.detect_anomaly else jaxpr_as_fun(backward)
+            given = iter(present)
+            has_ct = tuple(c and next(given) for c in has_ct)
+        function = anomaly.checked(backward) if pair.detect_anomaly else jaxpr_as_fun(backward)
+        if hooks:  # per-leaf hooks are placed in the plain backward's equation order
+            function = with_hooks(function, None if pair.detect_anomaly else backward, hooks,
+                                  pair.perturbed, has_ct)
+        return function
 
-    def program(self, shardings: tuple[Any, ...] | None, present: tuple[bool, ...] | None = None) -> Any:
+    def program(self, shardings: tuple[Any, ...] | None, present: tuple[bool, ...] | None = None,
+                hooks: InForce | None = None) -> Any:
         """The jitted backward, with out_shardings pinned to the gradients' shardings."""
-        program = self.programs.get((shardings, present))
+        key = (shardings, present, hooks.hooks if hooks else ())
+        program = self.programs.get(key)
         if program is None:
             pinned = {}
             if shardings is not None:
                 codes = [None] if self.pair.detect_anomaly else []  # anomaly's codes: XLA chooses
                 pinned["out_shardings"] = [*shardings, *codes]
-            program = jax.jit(self.function(present), donate_argnums=self.donated, **pinned)
-            self.programs[(shardings, present)] = program
+            program = jax.jit(self.function(present, hooks), donate_argnums=self.donated, **pinned)
+            self.programs[key] = program
         return program
 
 
@@ -178,7 +191,7 @@ class GuardedBackward(Backward):
         owned = [a for a in saved.arrays[:pair.n_activations] if type(a) is ArrayImpl]
         if pair.donate_saved and any(a.is_deleted() for a in owned):
             raise RuntimeError(_RELEASED.format(owner=pair.owner))
-        results = self.program(saved.grad_shardings, present)(*saved.arrays, *cts)
+        results = self.program(saved.grad_shardings, present, saved.hooks)(*saved.arrays, *cts)
         if pair.donate_saved:
             for a in owned:  # XLA consumed those it aliased; release the rest now
                 a.delete()
@@ -189,19 +202,21 @@ class GuardedBackward(Backward):
 class Saved:
     """The values a forward program saved for its backward: a pytree whose leaves are the
     saved `jax.Array`s (activations first, then saved inputs). It remembers which program
-    pair produced it, so a backward can refuse values saved by another function."""
+    pair produced it, so a backward can refuse values saved by another function, and the
+    hooks in force when the forward ran, which its backward runs."""
 
     def __init__(self, arrays: Sequence[Any], pair: ProgramPair,
-                 grad_shardings: tuple[Any, ...] | None = None) -> None:
+                 grad_shardings: tuple[Any, ...] | None = None, hooks: InForce | None = None) -> None:
         self.arrays = arrays
         self.pair = pair
         self.grad_shardings = grad_shardings  # the differentiated inputs' shardings (sharded runs)
+        self.hooks = hooks  # the hooks in force when the forward ran (None: none)
 
-    def tree_flatten(self) -> tuple[Sequence[Any], tuple[ProgramPair, Any]]:
-        return self.arrays, (self.pair, self.grad_shardings)
+    def tree_flatten(self) -> tuple[Sequence[Any], tuple[ProgramPair, Any, Any]]:
+        return self.arrays, (self.pair, self.grad_shardings, self.hooks)
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[ProgramPair, Any], arrays: Sequence[Any]) -> "Saved":
+    def tree_unflatten(cls, aux: tuple[ProgramPair, Any, Any], arrays: Sequence[Any]) -> "Saved":
         return cls(arrays, *aux)
 
     @property
@@ -222,7 +237,8 @@ class Entry:
     program, program pairs per differentiation pattern, and the differentiable callable."""
 
     def __init__(self, owner: str, fwd: ForwardTrace, in_tree: Any, arg_positions: tuple[int, ...],
-                 options: Snapshot, donate_argnums: tuple[int, ...]) -> None:
+                 options: Snapshot, donate_argnums: tuple[int, ...], hooks: Hooks | None = None,
+                 layout: ArgLayout | None = None) -> None:
         self.owner = owner
         self.fwd = fwd
         self.in_tree = in_tree  # of (dynamic args, dynamic kwargs)
@@ -237,7 +253,14 @@ class Entry:
         self.forward_only = jax.jit(fwd, donate_argnums=donate)
         self.pairs: dict[tuple[tuple[bool, ...], tuple[bool, ...]], ProgramPair] = {}
         self.plans: dict[object, ProgramPair] = {}  # the pair each fwd_and_bwd uses
+        self.hooks = hooks  # the function's hooks (read when a forward runs)
+        self.layout = layout  # how gradients regroup into arguments, for hooks
         self.call = self._differentiable()
+
+    def in_force(self) -> InForce | None:
+        """The hooks the next backward runs (None: none)."""
+        hooks = self.hooks.current if self.hooks is not None else ()
+        return InForce(hooks, self.layout) if hooks else None
 
     def pair(self, perturbed: tuple[bool, ...], has_ct: tuple[bool, ...]) -> ProgramPair:
         """The program pair for this differentiation pattern, built on first use."""
@@ -279,7 +302,7 @@ class Entry:
         def fwd(*primals: Any) -> tuple[list[Any], Saved]:
             perturbed = tuple(bool(p.perturbed) for p in primals)
             pair = entry.pair(perturbed, has_ct)
-            return pair.run_forward([p.value for p in primals])
+            return pair.run_forward([p.value for p in primals], entry.in_force())
 
         def bwd(saved: Saved, cts: Sequence[Any]) -> tuple[Any, ...]:
             pair = saved.pair
