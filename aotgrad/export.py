@@ -253,6 +253,8 @@ class _Pair:
     gradients it does not ask for are dropped). Duck-types `runtime.ProgramPair` for the
     `custom_vjp` rule and `fwd_and_bwd`."""
 
+    detect_anomaly = False  # a loaded pair runs the exported backward as it is
+
     def __init__(self, entry: "_Entry", perturbed: tuple[bool, ...], has_ct: tuple[bool, ...]) -> None:
         self.owner = entry.owner
         self.entry = entry
@@ -270,13 +272,18 @@ class _Pair:
         saved.extend(inputs[i] for i in self.entry.saved_inputs)
         return list(results[:self.n_outs]), Saved(saved, self)
 
-    def run_backward(self, saved: Saved, cts: Sequence[Any]) -> list[Any]:
+    def run_backward(self, saved: Saved, cts: Sequence[Any],
+                     present: tuple[bool, ...] | None = None) -> list[Any]:
+        """`present`: which of the cotangents `has_ct` names are given (the others are
+        zero: the exported backward takes them all, so they are filled in)."""
         given = iter(cts)
+        marks = iter(present) if present is not None else None
         full = []
         for j, (want, have) in enumerate(zip(self.entry.exported_has_ct, self.has_ct)):
+            here = have and (marks is None or next(marks))
             if want:
                 aval = self.entry.fwd.out_avals[j]
-                full.append(next(given) if have else jax.numpy.zeros(aval.shape, aval.dtype))
+                full.append(next(given) if here else jax.numpy.zeros(aval.shape, aval.dtype))
         grads = self.entry.backward(*saved.arrays, *full)
         return [g for g, keep in zip(grads, self._keep) if keep]
 

@@ -120,6 +120,10 @@ def test_has_aux_through_fwd_and_bwd():
     (want_out, want_aux), want_g = jax.value_and_grad(f, has_aux=True)(w, x)
     np.testing.assert_allclose(bwd(saved, jnp.float32(1.0)), want_g, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(aux["mean"], want_aux["mean"], rtol=1e-6)
+    # Through jax.value_and_grad, the aux output's cotangent is a symbolic zero.
+    (out, aux), g = jax.value_and_grad(loaded, has_aux=True)(w, x)
+    np.testing.assert_allclose(g, want_g, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(aux["mean"], want_aux["mean"], rtol=1e-6)
 
 
 def test_static_arguments_are_fixed():
