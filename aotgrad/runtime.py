@@ -191,6 +191,9 @@ class GuardedBackward(Backward):
         owned = [a for a in saved.arrays[:pair.n_activations] if type(a) is ArrayImpl]
         if pair.donate_saved and any(a.is_deleted() for a in owned):
             raise RuntimeError(_RELEASED.format(owner=pair.owner))
+        if pair.detect_anomaly and present is not None:
+            # Anomaly reports index the full backward's equations: it gets the zeros.
+            cts, present = _with_zeros(cts, present, pair.split.backward.in_avals[-len(present):]), None
         results = self.program(saved.grad_shardings, present, saved.hooks)(*saved.arrays, *cts)
         if pair.donate_saved:
             for a in owned:  # XLA consumed those it aliased; release the rest now
@@ -308,11 +311,10 @@ class Entry:
             pair = saved.pair
             given = [ct for ct, c in zip(cts, has_ct) if c]
             present = tuple(not isinstance(ct, SymbolicZero) for ct in given)
-            if all(present) or pair.detect_anomaly:  # anomaly reports name the full backward's equations
-                grads = iter(pair.run_backward(saved, [_instantiate(ct) for ct in given]))
+            if all(present):
+                grads = iter(pair.run_backward(saved, given))
             else:  # e.g. auxiliary outputs: their zero cotangents are not inputs of the program
-                grads = iter(pair.run_backward(saved, [ct for ct in given if not isinstance(ct, SymbolicZero)],
-                                               present))
+                grads = iter(pair.run_backward(saved, [ct for ct, p in zip(given, present) if p], present))
             return tuple(next(grads) if p else None for p in pair.perturbed)
 
         call.defvjp(fwd, bwd, symbolic_zeros=True)
@@ -348,7 +350,7 @@ def _file_safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 
 
-def _instantiate(ct: Any) -> Any:
-    if isinstance(ct, SymbolicZero):
-        return jax.numpy.zeros(ct.aval.shape, ct.aval.dtype)
-    return ct
+def _with_zeros(cts: Sequence[Any], present: Sequence[bool], avals: Sequence[Any]) -> list[Any]:
+    """The present cotangents, with zeros where `present` is False."""
+    given = iter(cts)
+    return [next(given) if p else jax.numpy.zeros(a.shape, a.dtype) for p, a in zip(present, avals)]
