@@ -31,7 +31,7 @@ __all__ = ["ArgLayout", "Hook", "HookHandle", "Hooks", "InForce", "grad_hook", "
 
 PREHOOK, HOOK, LEAF = "prehook", "hook", "per-leaf hook"
 
-_all_lock = threading.Lock()
+_all_lock = threading.RLock()  # re-entrant: a collected `Hooks` may leave while it is held
 _all: dict[int, tuple["Hook", ...]] = {}  # id(Hooks) -> its hooks, for the jit key
 
 
@@ -93,12 +93,18 @@ class Hooks:
                 _all[id(self)] = hooks
             else:
                 _all.pop(id(self), None)
-            jit_key.set_hooks(tuple(sorted(_all.items())))
+            _publish()
 
     def __del__(self) -> None:  # a dropped function's hooks leave the jit key
         if self.current:
             with _all_lock:
                 _all.pop(id(self), None)
+                _publish()
+
+
+def _publish() -> None:
+    """Mirrors every function's hooks into JAX's jit key (under `_all_lock`)."""
+    jit_key.set_hooks(tuple(sorted(_all.items())))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
