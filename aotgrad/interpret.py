@@ -26,7 +26,7 @@ def read(env: dict, atom: Any) -> Any:
 def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
                rules: Mapping[Any, Rule] | None = None,
                on_eqn: Callable[[JaxprEqn, list, list], None] | None = None, *,
-               bind: Rule = bind_eqn, invars: Sequence[Var] | None = None,
+               before_eqn: Callable[[int, dict], None] | None = None, bind: Rule = bind_eqn, invars: Sequence[Var] | None = None,
                eqns: Sequence[JaxprEqn] | None = None, outvars: Sequence[Any] | None = None) -> list[Any]:
     """Evaluates `jaxpr` on `args` by re-binding its equations; returns its outputs.
 
@@ -34,6 +34,8 @@ def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
         jaxpr, consts, args: the jaxpr, values of its constvars, values of its invars.
         rules: primitive -> `Rule` replacing `bind` for that primitive (e.g. inlining calls).
         on_eqn: called after each equation with (equation, input values, output values).
+        before_eqn: called before the i-th equation with (i, the environment), which it
+            may update (the backward's scheduling ties do).
         bind: how an equation with no rule is evaluated (default: re-bound as it is).
         invars, eqns, outvars: evaluate a selection instead (`args` are the values of
             `invars`; `eqns` in order; the values of `outvars` returned), as `split` does.
@@ -41,7 +43,9 @@ def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
     env: dict = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars if invars is None else invars, args))
     rules = rules or {}
-    for eqn in jaxpr.eqns if eqns is None else eqns:
+    for i, eqn in enumerate(jaxpr.eqns if eqns is None else eqns):
+        if before_eqn is not None:
+            before_eqn(i, env)
         invals = [read(env, v) for v in eqn.invars]
         outvals = rules.get(eqn.primitive, bind)(eqn, invals)
         for v, val in zip(eqn.outvars, outvals):

@@ -17,6 +17,7 @@ from jax.extend.core import ClosedJaxpr, Var
 
 from aotgrad.interpret import eval_jaxpr
 from aotgrad.partition.graph import JointGraph, live_eqns
+from aotgrad.partition import schedule
 
 __all__ = ["Split", "recompute_late", "split"]
 
@@ -61,7 +62,10 @@ def split(graph: JointGraph, saved: dict[Var, str]) -> Split:
     fwd_in = list(graph.inputs)
     bwd_in = list(activations) + [graph.inputs[i] for i in saved_inputs] + list(graph.cotangents)
     forward = _emit(graph, fwd_idx, fwd_in, list(graph.outputs) + list(activations))
-    backward = _emit(graph, recompute_late(graph, bwd_idx), bwd_in, list(graph.grads))
+    order = recompute_late(graph, bwd_idx)
+    groups = schedule.plan([graph.eqns[i] for i in order], graph.backward)
+    backward = _emit(graph, order, bwd_in, list(graph.grads),
+                     before_eqn=schedule.tie(groups, schedule.tie_by_data()))
     reasons = tuple(saved[v] for v in activations) + tuple(saved[graph.inputs[i]] for i in saved_inputs)
     producers = tuple(graph.eqns[graph.producer[v]] for v in activations)
     return Split(forward, backward, activations, saved_inputs, reasons,
@@ -106,13 +110,15 @@ def _in_order(graph: JointGraph, values: Sequence[Var]) -> list[Var]:
     return sorted(values, key=lambda v: rank.get(v, graph.producer.get(v, 0)))
 
 
-def _emit(graph: JointGraph, idx: list[int], invars: list[Var], outvars: list) -> ClosedJaxpr:
+def _emit(graph: JointGraph, idx: list[int], invars: list[Var], outvars: list,
+          before_eqn: Any = None) -> ClosedJaxpr:
     """Re-traces the selected joint equations into a closed jaxpr."""
     jaxpr = graph.closed.jaxpr
     eqns = [jaxpr.eqns[i] for i in idx]
 
     def program(*args: Any) -> list[Any]:
-        return eval_jaxpr(jaxpr, graph.closed.consts, args, invars=invars, eqns=eqns, outvars=outvars)
+        return eval_jaxpr(jaxpr, graph.closed.consts, args, invars=invars, eqns=eqns, outvars=outvars,
+                          before_eqn=before_eqn)
 
     avals = [v.aval for v in invars]
     return jax.make_jaxpr(program)(*avals)

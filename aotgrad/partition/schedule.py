@@ -1,0 +1,124 @@
+"""When the backward runs its recomputation: no earlier than the cotangent that needs it.
+
+The backward program recomputes forward values from saved ones. Those recomputations
+depend only on the program's inputs, so XLA may run them all at the start of the
+backward (XLA:CPU's default scheduler does: it starts independent work early). Every
+recomputed value is then live at once and the backward's peak is the forward's again.
+`tie` makes each group of recomputed equations wait for the cotangent that first needs
+it, so layer n's forward is recomputed when the backward reaches layer n.
+
+A group is every recomputed equation whose first (transitive) backward consumer is the
+same equation C; it waits for the latest-computed backward value C reads. Groups come
+from the graph, not from annotations. Waiting cannot form a cycle: that value is computed
+before C by equations that do not read C's group (C is its first consumer). The group's
+members are contiguous in `recompute_late`'s order, ending just before C.
+
+How a group waits depends on the backend:
+- GPU and TPU keep `optimization_barrier` through scheduling (as `jax.checkpoint` relies
+  on): the group's inputs pass through one barrier with the cotangent.
+- XLA:CPU removes barriers before it schedules, so there the group's floating-point
+  inputs become `x - z`, with `z` a zero computed from two elements of the cotangent by
+  integer operations XLA cannot fold. `x - 0.0` is `x` exactly (signed zeros and NaNs
+  included). `z` ends in a reduction, which XLA does not fuse into its readers, so they
+  read one scalar rather than the cotangent.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import JaxprEqn, Var
+
+__all__ = ["Group", "plan", "tie"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Recomputed equations [start, stop) (positions in the backward's order) that wait
+    for `after`, a backward value; `inputs` are the values they read from outside."""
+    start: int
+    stop: int
+    inputs: tuple[Var, ...]
+    after: Var
+
+
+def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var]) -> tuple[Group, ...]:
+    """The groups of `eqns` (the backward's equations in order; `backward` holds the
+    cotangent-dependent values) that have something to wait for."""
+    position = {v: i for i, e in enumerate(eqns) for v in e.outvars if isinstance(v, Var)}
+    is_bwd = [any(isinstance(v, Var) and v in backward for v in e.invars) for e in eqns]
+    readers: list[list[int]] = [[] for _ in eqns]
+    for i, e in enumerate(eqns):
+        for v in e.invars:
+            if isinstance(v, Var) and v in position:
+                readers[position[v]].append(i)
+    first: list[int | None] = [None] * len(eqns)  # the first backward equation needing eqn i
+    for i in range(len(eqns) - 1, -1, -1):
+        if not is_bwd[i]:
+            reach = [r if is_bwd[r] else first[r] for r in readers[i]]
+            first[i] = min((r for r in reach if r is not None), default=None)
+    members: dict[int, list[int]] = {}
+    for i, c in enumerate(first):
+        if c is not None:
+            members.setdefault(c, []).append(i)
+    groups = []
+    for c, group in sorted(members.items()):
+        after = _latest_backward_input(eqns[c], position, backward)
+        if after is None or position[after] >= min(group) or max(group) - min(group) + 1 != len(group):
+            continue  # nothing to wait for (C reads only the program's cotangents), or not one run
+        inside = {v for i in group for v in eqns[i].outvars}
+        inputs = tuple(dict.fromkeys(v for i in group for v in eqns[i].invars
+                                     if isinstance(v, Var) and v not in inside))
+        groups.append(Group(min(group), max(group) + 1, inputs, after))
+    return tuple(groups)
+
+
+def _latest_backward_input(eqn: JaxprEqn, position: dict[Var, int],
+                           backward: frozenset[Var]) -> Var | None:
+    """The backward value `eqn` reads that is computed last, among those a zero can be
+    read from (real floating point, not empty)."""
+    made = [v for v in eqn.invars if isinstance(v, Var) and v in backward and v in position
+            and _floating(v.aval) and v.aval.size > 0]
+    return max(made, key=position.__getitem__) if made else None
+
+
+def _floating(aval: Any) -> bool:
+    return jnp.issubdtype(getattr(aval, "dtype", None) or jnp.int32, jnp.floating)
+
+
+def tie(groups: Sequence[Group], by_data: bool) -> Callable[[int, dict], None]:
+    """An `eval_jaxpr(before_eqn=...)` hook: at each group's first equation its inputs are
+    replaced by tied copies; after its last they are put back, so only the group waits."""
+    starts = {g.start: g for g in groups}
+    restore: dict[int, dict[Var, Any]] = {}
+
+    def before(i: int, env: dict) -> None:
+        env.update(restore.pop(i, {}))
+        group = starts.get(i)
+        if group is None:
+            return
+        restore[group.stop] = {v: env[v] for v in group.inputs}
+        if by_data:
+            zero = _zero_from(env[group.after])
+            for v in group.inputs:
+                if _floating(v.aval):
+                    env[v] = env[v] - zero.astype(v.aval.dtype)
+        else:
+            tied = jax.lax.optimization_barrier([env[v] for v in group.inputs] + [env[group.after]])
+            env.update(zip(group.inputs, tied))
+    return before
+
+
+def tie_by_data() -> bool:
+    """Whether programs built now wait through data (XLA:CPU) or barriers (GPU, TPU)."""
+    return jax.default_backend() == "cpu"
+
+
+def _zero_from(x: Any) -> Any:
+    """0.0, computed from `x`'s data so that XLA cannot fold it: for any integer b,
+    min(b, 0) & max(b, 0) is 0 (one of the two is 0)."""
+    first = jax.lax.reshape(x, (x.size,))[:2]
+    bits = jax.lax.bitcast_convert_type(first.astype(jnp.float32), jnp.int32)
+    return jnp.max(jnp.minimum(bits, 0) & jnp.maximum(bits, 0)).astype(jnp.float32)
