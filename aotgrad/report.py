@@ -75,6 +75,9 @@ class Report:
     # The backward's estimated cost by the forward operation it comes from, costliest
     # first (`provenance`); None for a loaded export (its programs carry no numbers).
     backward_by_op: tuple[BackwardCost, ...] | None = None
+    # Groups of recomputed equations that each wait for the cotangent first needing them
+    # (`partition/schedule.py`); None for a loaded export.
+    recompute_groups: int | None = None
 
     def __str__(self) -> str:
         rows = [("#", "shape", "dtype", "bytes", "kind", "produced by", "source", "why")]
@@ -87,6 +90,9 @@ class Report:
                      f"{_mb(self.saved_input_bytes)} in {sum(s.is_input for s in self.saved)} arrays")
         recomputed = ", ".join(f"{p} x{n}" for p, n in self.recomputed) or "nothing"
         lines.append(f"recomputed in the backward: {recomputed}")
+        if self.recompute_groups:
+            lines.append(f"recomputation runs in {self.recompute_groups} groups, each when the "
+                         f"cotangent that first needs it is ready")
         if self.casts.total:
             lines.append(f"autocast casts: {self.casts}")
         if self.memory is not None and self.memory.peak is not None:
@@ -175,5 +181,5 @@ def _report(f: AOTFunction, call: Any, paths: list[str], pair: ProgramPair, timi
         forward_jaxpr=sp.forward, backward_jaxpr=sp.backward, saved=tuple(saved),
         saved_bytes=sum(s.nbytes for s in saved if not s.is_input),
         saved_input_bytes=sum(s.nbytes for s in saved if s.is_input),
-        recomputed=sp.recomputed, timings=timings, casts=pair.casts, memory=memory,
+        recomputed=sp.recomputed, recompute_groups=sp.recompute_groups, timings=timings, casts=pair.casts, memory=memory,
         backward_by_op=backward_costs(sp.backward.jaxpr, len(pair.graph.cotangents)) if costs else None)

@@ -34,16 +34,14 @@ def relu_stack(p: dict) -> jax.Array:
     return jnp.sum(h * h)
 
 
-def _backward_jaxpr(fn, p: dict):
-    report = aotgrad.explain(aotgrad.compile(fn), p)
-    return report.backward_jaxpr.jaxpr
-
-
 def test_recomputation_waits_for_the_cotangent_that_needs_it() -> None:
     """Every recomputed relu reads, through its tie, a value computed from the
     cotangent: without the ties none does (they read only saved values), and XLA:CPU's
-    scheduler runs them all at the backward's start."""
-    jaxpr = _backward_jaxpr(relu_stack, _params())
+    scheduler runs them all at the backward's start. `explain` counts the groups."""
+    report = aotgrad.explain(aotgrad.compile(relu_stack), _params())
+    assert report.recompute_groups is not None and report.recompute_groups >= L
+    assert f"recomputation runs in {report.recompute_groups} groups" in str(report)
+    jaxpr = report.backward_jaxpr.jaxpr
     n_cts = 1  # the loss's cotangent is the backward's last input
     from_ct = reachable(jaxpr.eqns, jaxpr.invars[-n_cts:])
     relus = [e for e in jaxpr.eqns if e.primitive is jax.lax.max_p and e.outvars[0].aval.shape == (B, D)]

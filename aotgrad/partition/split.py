@@ -31,6 +31,7 @@ class Split:
     reasons: tuple[str, ...]  # why each activation, then each saved input, was saved
     recomputed: tuple[tuple[str, int], ...]  # primitives recomputed in the backward, with counts
     producers: tuple[Any, ...]  # the joint equation that produced each activation
+    recompute_groups: int = 0  # groups of recomputed equations that wait for their cotangent
 
 
 def split(graph: JointGraph, saved: dict[Var, str]) -> Split:
@@ -69,7 +70,7 @@ def split(graph: JointGraph, saved: dict[Var, str]) -> Split:
     reasons = tuple(saved[v] for v in activations) + tuple(saved[graph.inputs[i]] for i in saved_inputs)
     producers = tuple(graph.eqns[graph.producer[v]] for v in activations)
     return Split(forward, backward, activations, saved_inputs, reasons,
-                 tuple(sorted(recomputed.items())), producers)
+                 tuple(sorted(recomputed.items())), producers, len(groups))
 
 
 def recompute_late(graph: JointGraph, idx: list[int]) -> list[int]:
