@@ -10,6 +10,7 @@ from aotgrad._jax_internals import source_line
 from aotgrad.api import AOTFunction, Lowered, argnum_positions, check_argnums
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.partition.costs import nbytes as _nbytes
+from aotgrad.partition.scan import segment_schedules
 from aotgrad.provenance import BackwardCost, backward_costs
 from aotgrad.runtime import ProgramPair, Timings
 
@@ -78,6 +79,9 @@ class Report:
     # Groups of recomputed equations that each wait for the cotangent first needing them
     # (`partition/schedule.py`); None for a loaded export.
     recompute_groups: int | None = None
+    # Scans whose carry is saved every k-th iteration, e.g. "carry saved every 3 of 12
+    # iterations" (`partition/scan.py`), in program order.
+    scan_segments: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         rows = [("#", "shape", "dtype", "bytes", "kind", "produced by", "source", "why")]
@@ -90,6 +94,8 @@ class Report:
                      f"{_mb(self.saved_input_bytes)} in {sum(s.is_input for s in self.saved)} arrays")
         recomputed = ", ".join(f"{p} x{n}" for p, n in self.recomputed) or "nothing"
         lines.append(f"recomputed in the backward: {recomputed}")
+        for schedule in self.scan_segments:
+            lines.append(f"scan: {schedule}, one segment recomputed at a time")
         if self.recompute_groups:
             lines.append(f"recomputation runs in {self.recompute_groups} groups, each when the "
                          f"cotangent that first needs it is ready")
@@ -181,5 +187,6 @@ def _report(f: AOTFunction, call: Any, paths: list[str], pair: ProgramPair, timi
         forward_jaxpr=sp.forward, backward_jaxpr=sp.backward, saved=tuple(saved),
         saved_bytes=sum(s.nbytes for s in saved if not s.is_input),
         saved_input_bytes=sum(s.nbytes for s in saved if s.is_input),
-        recomputed=sp.recomputed, recompute_groups=sp.recompute_groups, timings=timings, casts=pair.casts, memory=memory,
+        recomputed=sp.recomputed, recompute_groups=sp.recompute_groups,
+        scan_segments=segment_schedules(sp.forward.jaxpr), timings=timings, casts=pair.casts, memory=memory,
         backward_by_op=backward_costs(sp.backward.jaxpr, len(pair.graph.cotangents)) if costs else None)

@@ -271,11 +271,18 @@ def test_carry_checkpointed_every_kth_iteration(reverse: bool) -> None:
     assert sum(x.nbytes for x in jax.tree.leaves(residuals) if x.shape == (n, rows, D)) == n * carry
     expected = jax.value_and_grad(fn)(p)
     outside = carry + n * D * 4  # the final carry and ys, saved for the loss's own derivative
-    for budget, carries in ((0.0, 5), (0.1, 7)):
+    for budget, carries, every in ((0.0, 5, 3), (0.1, 7, 2), (1.0, None, None)):
         with aotgrad.config.patch(activation_memory_budget=budget):
             f = aotgrad.compile(fn)
+            report = aotgrad.explain(f, p)
+        if every is None:  # the per-iteration cut: no segments to report
+            assert report.scan_segments == () and "carry saved every" not in str(report)
+            continue
+        with aotgrad.config.patch(activation_memory_budget=budget):
             _close(jax.value_and_grad(f)(p), expected)
-            assert aotgrad.explain(f, p).saved_bytes == carries * carry + outside
+        assert report.saved_bytes == carries * carry + outside
+        assert report.scan_segments == (f"carry saved every {every} of {n} iterations",)
+        assert f"scan: carry saved every {every} of {n} iterations" in str(report)
 
 
 def test_scanned_gpt_checkpoints_carries_below_the_per_iteration_cut() -> None:

@@ -27,7 +27,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
-from aotgrad._jax_internals import bind_eqn
+from aotgrad._jax_internals import bind_eqn, name_scopes
 from aotgrad.interpret import Rule, eval_jaxpr, sub_jaxprs
 from aotgrad.partition import costs
 from aotgrad.partition.budget import ScanSchedule, scan_schedule
@@ -38,6 +38,10 @@ __all__ = ["BodyCut", "is_cut_scan", "partition_scans"]
 BodyCut = Callable[[Any, float], dict[Var, str]]
 
 _PREFIX = "aotgrad_scan_value_"
+# The name scope of a scan split into checkpointed segments (read back by `segment_schedules`).
+_SCOPE = "aotgrad: "
+SEGMENTS = _SCOPE + "carry saved every {every} of {length} iterations"
+_SEGMENTS_AT = SEGMENTS[:SEGMENTS.index("{")]
 
 
 def partition_scans(cut: BodyCut, budget: float) -> dict[Any, Rule]:
@@ -66,7 +70,8 @@ def partition_scans(cut: BodyCut, budget: float) -> dict[Any, Rule]:
         if schedule.every == 1:
             carry, ys = jax.lax.scan(scan_body, init, xs, length=p["length"], **options)
         else:
-            carry, ys = _segmented(scan_body, init, xs, p["length"], schedule.every, options)
+            with jax.named_scope(SEGMENTS.format(every=schedule.every, length=p["length"])):
+                carry, ys = _segmented(scan_body, init, xs, p["length"], schedule.every, options)
         return [*carry, *ys]
 
     rules[P.scan_p] = scan_rule
@@ -146,6 +151,20 @@ def _cut_names(body: ClosedJaxpr, cut: BodyCut, budget: float, rules: dict, leng
                 if isinstance(v, Var):
                     name_of[v] = eqn.params["name"]
     return tuple(sorted({name_of[v] for v in saved if v in name_of})), schedule
+
+
+def segment_schedules(jaxpr: Any) -> tuple[str, ...]:
+    """The segment schedules (`SEGMENTS` texts) of the scans in `jaxpr`, nested included,
+    in program order."""
+    found: dict[str, None] = {}
+
+    def walk(j: Any) -> None:
+        for eqn in j.eqns:
+            found.update((s[len(_SCOPE):], None) for s in name_scopes(eqn) if s.startswith(_SEGMENTS_AT))
+            for sub in sub_jaxprs(eqn):
+                walk(sub)
+    walk(jaxpr)
+    return tuple(found)
 
 
 def is_cut_scan(eqn: JaxprEqn) -> bool:
