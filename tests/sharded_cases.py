@@ -287,6 +287,23 @@ def test_data_parallel_mlp_step(config):
     _check_steps(_mlp, p, x, y, config, mesh)
 
 
+def test_backward_waits_without_collectives():
+    """With several devices the backward's recomputation waits through barriers: the data
+    tie's zero (read from two elements of a cotangent) would be read across shards, one
+    collective per group. The data-parallel step's backward has no more all-reduces
+    than with no waiting at all."""
+    from aotgrad.partition import schedule
+    assert not schedule.tie_by_data()
+    mesh = _mesh()
+    p = jax.tree.map(lambda a: _put(mesh, a), _mlp_params())
+    x = _put(mesh, _normal(7, 64, 16), ("data", "model"), None)
+    y = _put(mesh, _normal(8, 64, 8), ("data", "model"), None)
+    report = aotgrad.explain(aotgrad.compile(_mlp), p, x, y, argnums=0)
+    assert report.recompute_groups
+    prims = [e.primitive.name for e in report.backward_jaxpr.jaxpr.eqns]
+    assert "optimization_barrier" in prims and "bitcast_convert_type" not in prims
+
+
 def _tp_mlp(p, x, y):
     """Megatron-style: w1 split by columns, w2 by rows, one psum per layer pair."""
     mesh = jax.sharding.get_abstract_mesh()

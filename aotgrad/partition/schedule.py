@@ -16,11 +16,13 @@ members are contiguous in `recompute_late`'s order, ending just before C.
 How a group waits depends on the backend:
 - GPU and TPU keep `optimization_barrier` through scheduling (as `jax.checkpoint` relies
   on): the group's inputs pass through one barrier with the cotangent.
-- XLA:CPU removes barriers before it schedules, so there the group's floating-point
-  inputs become `x - z`, with `z` a zero computed from two elements of the cotangent by
+- XLA:CPU removes barriers before it schedules, so there (with one device) the group's
+  floating-point inputs become `x - z`, with `z` a zero computed from two elements of the cotangent by
   integer operations XLA cannot fold. `x - 0.0` is `x` exactly (signed zeros and NaNs
   included). `z` ends in a reduction, which XLA does not fuse into its readers, so they
-  read one scalar rather than the cotangent.
+  read one scalar rather than the cotangent. With several devices that zero would be read
+  across shards (a collective per group), so multi-device CPU programs get barriers: correct,
+  but without the lower peak.
 """
 from __future__ import annotations
 
@@ -112,8 +114,10 @@ def tie(groups: Sequence[Group], by_data: bool) -> Callable[[int, dict], None]:
 
 
 def tie_by_data() -> bool:
-    """Whether programs built now wait through data (XLA:CPU) or barriers (GPU, TPU)."""
-    return jax.default_backend() == "cpu"
+    """Whether programs built now wait through data (XLA:CPU with one device) or through
+    barriers. With several devices the zero would be read across shards: every group
+    would add collectives, so there barriers are used, and XLA:CPU ignores them."""
+    return jax.default_backend() == "cpu" and jax.device_count() == 1
 
 
 def _zero_from(x: Any) -> Any:
