@@ -278,7 +278,7 @@ def _chain(plan: list[tuple[str, Any]], dtype: str) -> Program:
 # For a subset of the ops, the mixed-precision program written out with explicit casts: what
 # each op computes under autocast(device_type, dtype), from the policy tables as documented
 # (docs/autocast.md), not from aotgrad's rewrite. Binary ops rely on JAX's own promotion
-# (the join of the types), `jnp.sum` keeps its input's type and accumulates in float32.
+# (the join of the types).
 
 def _lower(x: Any, y: Any, dtype: Any, transpose_first: bool) -> Any:
     a, b = (x.T, y) if transpose_first else (x, y.T)
@@ -302,7 +302,9 @@ HAND_WRITTEN: dict[str, Callable[..., Any]] = {
     "add": lambda x, y, p, device, dtype: x + y,
     "sub": lambda x, y, p, device, dtype: x - y,
     "mul": lambda x, y, p, device, dtype: x * y,
-    "sum": lambda x, axis, device, dtype: jnp.sum(x, axis=axis, keepdims=True),
+    # reduce_sum is on the gpu table's fp32 list (a float32 result); on cpu its 16-bit input
+    # accumulates in float32 and the result keeps the input's type, as jnp.sum does
+    "sum": lambda x, axis, device, dtype: _fp32_on_gpu(lambda v: jnp.sum(v, axis=axis, keepdims=True))(x, device),
     "transpose": lambda x, p, device, dtype: x.T,
 }
 

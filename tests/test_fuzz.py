@@ -533,3 +533,16 @@ AUTOCAST_REGRESSIONS: list[tuple[Program, int, str, AutocastState, dict[str, Any
                          ids=[f"autocast{i}" for i in range(len(AUTOCAST_REGRESSIONS))])
 def test_autocast_regressions(program, seed, path, state, config):
     check_autocast_program(program, seed, path, state, config)
+
+
+# Found by the random slice: the oracle kept a sum's 16-bit type under the gpu table, where
+# reduce_sum is on the fp32 list (a float32 result, as aotgrad gives); any state, any path.
+_SUM_OF_A_MATMUL = Program(inputs=((2, 2), (1, 3)), steps=(
+    Step("matmul_nt", (1, 1), None), Step("add", (2, 2), None), Step("add", (3, 2), None),
+    Step("sum", (2,), 1)), outputs=(5,), dtype="float32")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("state", _HAND_STATES, ids=repr)
+def test_hand_written_oracle_sum_follows_the_table(state, path):
+    check_against_hand_written(_SUM_OF_A_MATMUL, 591, path, state)
