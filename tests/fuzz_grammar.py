@@ -11,7 +11,7 @@ to bounded inputs (`tanh`, `x / (1 + x^2)`), so values stay finite for any input
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +22,16 @@ from jax import lax
 Shape = tuple[int, int]
 
 
+def _no_param(*shapes: Shape) -> Any:
+    return st.just(None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Op:
     arity: int
     shape: Callable[..., Shape | None]  # (operand shapes..., param) -> result shape, None: not applicable
     apply: Callable[..., Any]  # (operands..., param) -> result
-    params: Callable[..., Any] = lambda *shapes: st.just(None)  # shapes -> strategy of the param
+    params: Callable[..., Any] = _no_param  # shapes -> strategy of the param
 
 
 def _same(*shapes: Shape) -> Shape:
@@ -206,11 +210,75 @@ class Program:
 MATMULS = ("matmul_nt", "matmul_tn", "matmul_rule", "rowdot")
 
 
+# ----------------------------------------------------------------------------- every production, fixed
+# CI's fixed slice draws few random programs; these programs apply every op (with every
+# value of a parameter that picks a code path: both axes) at least once, whatever the draws.
+
+_AXIS_OPS = ("sum", "mean", "max", "logsumexp", "prod_bounded", "rms_norm", "softmax", "cumsum", "sort", "flip")
+FIXED_PARAMS: dict[str, Callable[[Shape], tuple[Any, ...]]] = {
+    **{name: lambda s: (0, 1) for name in _AXIS_OPS},
+    "gather_rows": lambda s: ((s[0] - 1, 0, s[0] - 1),),  # a repeated row
+    "scatter_add_rows": lambda s: ((0, s[0] - 1, 0),),  # a repeated row: added twice
+    "dynamic_slice": lambda s: (s[0] - 1,),
+}
+
+
+def covering_programs(ops: Sequence[str] = tuple(OPS), first: str | None = None, steps: int = 8,
+                      dtype: str = "float32") -> list[Program]:
+    """Programs that together apply every op of `ops` (sorted), each with every parameter
+    of `FIXED_PARAMS`, `steps` steps per program (after `first`: an op every program starts
+    with, a matmul for autocast). Inputs (3, 4), (1, 4), (4, 4). A step reads the latest value
+    of at least 2 x 2 where its shape allows, else the first input; a binary op's second
+    operand gives the largest result, then one of another shape (broadcasting). Every value no
+    later step reads is an output, so every step gets a cotangent."""
+    plan = [(name, param) for name in sorted(ops) for param in _fixed(name, (3, 4))]
+    chunks = [plan[i:i + steps] for i in range(0, len(plan), steps)]
+    return [_chain([(first, None)] + chunk if first else chunk, dtype) for chunk in chunks]
+
+
+def _fixed(name: str, shape: Shape) -> tuple[Any, ...]:
+    if name in FIXED_PARAMS:
+        return FIXED_PARAMS[name](shape)
+    if OPS[name].params is not _no_param:
+        raise ValueError(f"covering_programs: op {name!r} draws a parameter; give it FIXED_PARAMS")
+    return (None,)
+
+
+def _chain(plan: list[tuple[str, Any]], dtype: str) -> Program:
+    inputs: tuple[Shape, ...] = ((3, 4), (1, 4), (4, 4))
+    shapes = list(inputs)
+    out: list[Step] = []
+    for name, param in plan:
+        op = OPS[name]
+        wide = [i for i, s in enumerate(shapes) if min(s) >= 2]
+        for first in (wide[-1], 0):  # the latest value of at least 2 x 2, else the first input
+            operands = [first]
+            if op.arity == 2:
+                fits = [i for i, s in enumerate(shapes) if op.shape(shapes[first], s, None) is not None]
+                if not fits:
+                    continue
+                # the largest result (a matmul's result stays 2-D), then broadcasting, then the latest
+                size = lambda i: np.prod(op.shape(shapes[first], shapes[i], None))  # noqa: E731
+                operands.append(max(fits, key=lambda i: (size(i), shapes[i] != shapes[first], i)))
+            # axes as planned; row indices valid for this operand
+            p = param if name in _AXIS_OPS or param is None else _fixed(name, shapes[first])[0]
+            shape = op.shape(*[shapes[i] for i in operands], p)
+            if shape is not None and min(shape) >= 1 and max(shape) <= 12:
+                out.append(Step(name, tuple(operands), p))
+                shapes.append(shape)
+                break
+        else:
+            raise ValueError(f"covering_programs: {name} applies to neither the latest value nor the first input")
+    read = {i for step in out for i in step.args}
+    outputs = tuple(i for i in range(len(inputs), len(shapes)) if i not in read)
+    return Program(inputs, tuple(out), outputs, dtype)
+
+
 # ----------------------------------------------------------------------------- a hand-written oracle
 # For a subset of the ops, the mixed-precision program written out with explicit casts: what
 # each op computes under autocast(device_type, dtype), from the policy tables as documented
 # (docs/autocast.md), not from aotgrad's rewrite. Binary ops rely on JAX's own promotion
-# (the join of the types), `jnp.sum` keeps its input's type and accumulates in float32.
+# (the join of the types).
 
 def _lower(x: Any, y: Any, dtype: Any, transpose_first: bool) -> Any:
     a, b = (x.T, y) if transpose_first else (x, y.T)
@@ -234,7 +302,9 @@ HAND_WRITTEN: dict[str, Callable[..., Any]] = {
     "add": lambda x, y, p, device, dtype: x + y,
     "sub": lambda x, y, p, device, dtype: x - y,
     "mul": lambda x, y, p, device, dtype: x * y,
-    "sum": lambda x, axis, device, dtype: jnp.sum(x, axis=axis, keepdims=True),
+    # reduce_sum is on the gpu table's fp32 list (a float32 result); on cpu its 16-bit input
+    # accumulates in float32 and the result keeps the input's type, as jnp.sum does
+    "sum": lambda x, axis, device, dtype: _fp32_on_gpu(lambda v: jnp.sum(v, axis=axis, keepdims=True))(x, device),
     "transpose": lambda x, p, device, dtype: x.T,
 }
 

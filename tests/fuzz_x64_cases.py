@@ -5,7 +5,7 @@ float64 needs ``JAX_ENABLE_X64=1`` before JAX is imported. Run alone with
 yet); in a process where JAX is already imported without it, every case skips.
 
 - float64 programs: the value and the VJP equal JAX's at a float64 tolerance, under every
-  partitioner and memory budget.
+  partitioner and memory budget; random ones and `covering_programs` (every op).
 - float64 under autocast: float64 is never cast (it is not an eligible type), so the
   compiled programs compute nothing in 16 bits, and values and VJPs equal JAX's without
   autocast at the same tolerance.
@@ -28,10 +28,10 @@ from hypothesis import strategies as st  # noqa: E402
 import aotgrad  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from fuzz_grammar import MATMULS, Program, programs  # noqa: E402
+from fuzz_grammar import MATMULS, Program, covering_programs, programs  # noqa: E402
 from test_fuzz import (AUTOCAST_STATES, CONFIGS, EXAMPLES, FUZZ_SETTINGS, PATHS, TOLERANCE,  # noqa: E402
-                       AutocastState, _vjp, all_finite, assert_close, check_program, config_id, cotangents,
-                       sixteen_bit)
+                       AutocastState, _vjp, all_finite, assert_close, check_covering, check_program, config_id,
+                       cotangents, sixteen_bit)
 
 pytestmark = pytest.mark.skipif(not jax.config.jax_enable_x64,
                                 reason="float64 needs JAX_ENABLE_X64=1 before JAX is imported "
@@ -44,6 +44,14 @@ F64_EXAMPLES = max(EXAMPLES * 2 // 3, 5)
 @given(program=programs(dtypes=("float64",)), seed=st.integers(0, 2**16), path=st.sampled_from(PATHS))
 def test_float64_programs_match_jax(program, seed, path):
     check_program(program, seed, path)
+
+
+COVERING = covering_programs(dtype="float64")
+
+
+@pytest.mark.parametrize("i", range(len(COVERING)), ids=lambda i: f"cover{i}")
+def test_every_op_float64_matches_jax(i):
+    check_covering(COVERING, i)
 
 
 def check_float64_under_autocast(program: Program, seed: int, path: str, state: AutocastState,

@@ -2,6 +2,7 @@
 `backward_pass_autocast` modes, checked against JAX (values and gradients)."""
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -129,6 +130,16 @@ def _rel_err(grads, reference):
 _EXPLICIT = {"device_type": "gpu", "dtype": "float16"}
 
 
+@functools.cache
+def _float32_reference(model: str):
+    """(fn, params, x, float32 gradients by `jax.jit(jax.grad(fn))`), once per model."""
+    if model == "mlp":
+        fn, params, x = _mlp, _params(jax.random.key(0)), jax.random.normal(jax.random.key(1), (8, 16))
+    else:
+        fn, params, x = _block, _block_params(), jax.random.normal(jax.random.key(1), (2, 8, 32))
+    return fn, params, x, jax.jit(jax.grad(fn))(params, x)
+
+
 @pytest.mark.parametrize("model, mode, device, dtype, tol", [
     ("mlp", "same_as_forward", "gpu", F16, 2e-2), ("mlp", "off", "gpu", F16, 2e-2),
     ("mlp", _EXPLICIT, "cpu", BF16, 6e-2), ("mlp", "same_as_forward", "cpu", BF16, 6e-2),
@@ -136,11 +147,7 @@ _EXPLICIT = {"device_type": "gpu", "dtype": "float16"}
     ("block", _EXPLICIT, "gpu", BF16, 2e-2), ("block", "same_as_forward", "tpu", BF16, 6e-2),
 ])
 def test_gradients_close_to_float32(model, mode, device, dtype, tol):
-    if model == "mlp":
-        fn, params, x = _mlp, _params(jax.random.key(0)), jax.random.normal(jax.random.key(1), (8, 16))
-    else:
-        fn, params, x = _block, _block_params(), jax.random.normal(jax.random.key(1), (2, 8, 32))
-    reference = jax.grad(fn)(params, x)
+    fn, params, x, reference = _float32_reference(model)
     cf = aotgrad.compile(fn)
     with aotgrad.config.patch(backward_pass_autocast=mode), aotgrad.autocast(device, dtype=dtype):
         grads = jax.grad(cf)(params, x)

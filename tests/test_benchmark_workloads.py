@@ -25,8 +25,9 @@ def test_scanned_gpt_is_the_unrolled_gpt() -> None:
     scanned = build("gpt_scan", "gpt_scan", GPT)
     # Same seed: the same parameters, stacked on a leading layer axis.
     _close(jax.tree.map(lambda *xs: np.stack(xs), *unrolled.params["blocks"]), scanned.params["blocks"], 0)
-    loss_u, grads_u = jax.value_and_grad(unrolled.loss_fn)(unrolled.params, unrolled.batch)
-    loss_s, grads_s = jax.value_and_grad(scanned.loss_fn)(scanned.params, scanned.batch)
+    # jitted: one XLA program each (eagerly, every op of the unrolled model compiles alone)
+    loss_u, grads_u = jax.jit(jax.value_and_grad(unrolled.loss_fn))(unrolled.params, unrolled.batch)
+    loss_s, grads_s = jax.jit(jax.value_and_grad(scanned.loss_fn))(scanned.params, scanned.batch)
     _close(loss_u, loss_s)
     _close(jax.tree.map(lambda *xs: np.stack(xs), *grads_u["blocks"]), grads_s["blocks"])
     assert "scan" in str(jax.make_jaxpr(scanned.loss_fn)(scanned.params, scanned.batch))
@@ -44,13 +45,14 @@ def test_layer_remat_changes_what_is_saved_not_the_values(kind: str, sizes: dict
         jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable))
     assert "remat" in str(jax.make_jaxpr(remat.loss_fn)(remat.params, remat.batch)), \
         "remat= must wrap the model's layers"
-    _close(jax.grad(plain.loss_fn)(plain.params, plain.batch), jax.grad(remat.loss_fn)(plain.params, plain.batch))
+    _close(jax.jit(jax.grad(plain.loss_fn))(plain.params, plain.batch),
+           jax.jit(jax.grad(remat.loss_fn))(plain.params, plain.batch))
 
 
 def test_checkpoint_strategies_lower_the_peak_of_a_scanned_model() -> None:
     w = build("gpt_scan", "gpt_scan", dict(GPT, batch=4, seq=32, layers=4))
     fused = prepare("fused", w)
-    reference = jax.grad(w.loss_fn)(w.params, w.batch)
+    reference = fused.grads  # jax.jit(jax.value_and_grad(loss)): JAX without any checkpoint
     peaks = {}
     for name in CHECKPOINT_STRATEGIES:
         p = prepare(name, w)

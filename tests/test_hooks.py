@@ -1,11 +1,11 @@
 """Backward hooks: every kind against a hand-written `jax.custom_vjp` equivalent in plain JAX.
 
 The sharded cases (per-leaf psum under `shard_map`, the order of collectives in the backward
-jaxpr) are in `tests/hooks_sharded_cases.py`, run in a process of their own.
+jaxpr) are in `tests/hooks_sharded_cases.py`, run in the process of 8 simulated devices that
+the 8-device modules share (`tests/own_process.py`).
 """
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +15,9 @@ import pytest
 import aotgrad
 
 try:
-    from tests.own_process import run_module
+    from tests.own_process import assert_eight_device_module_passed
 except ImportError:
-    from own_process import run_module
+    from own_process import assert_eight_device_module_passed
 
 
 def _params():
@@ -260,6 +260,4 @@ def test_export_refuses_hooks():
 
 
 def test_sharded_hooks_on_8_devices():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    run_module("hooks_sharded_cases.py", env, "sharded hook cases")
+    assert_eight_device_module_passed("hooks_sharded_cases.py")

@@ -125,11 +125,18 @@ def _close(a, b, tol=2e-5) -> None:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
+@functools.cache
+def _expected(fn) -> tuple:
+    """JAX's value and gradient of `fn` at `_params()`, once per program (every budget
+    compares with it); jitted: one XLA program, not one per op."""
+    return jax.jit(jax.value_and_grad(fn))(_params())
+
+
 @pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("fn", PROGRAMS, ids=lambda f: f.__name__)
 def test_scan_programs_equal_jax(fn, budget: float) -> None:
     p = _params()
-    expected = jax.value_and_grad(fn)(p)
+    expected = _expected(fn)
     with aotgrad.config.patch(partitioner="min_cut", activation_memory_budget=budget):
         f = aotgrad.compile(fn)
         _close(jax.value_and_grad(f)(p), expected)
@@ -269,7 +276,7 @@ def test_carry_checkpointed_every_kth_iteration(reverse: bool) -> None:
     nothing = functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
     _, residuals = jax.fwd_and_bwd(functools.partial(fn, remat=nothing), argnums=0)[0](p)
     assert sum(x.nbytes for x in jax.tree.leaves(residuals) if x.shape == (n, rows, D)) == n * carry
-    expected = jax.value_and_grad(fn)(p)
+    expected = jax.jit(jax.value_and_grad(fn))(p)
     outside = carry + n * D * 4  # the final carry and ys, saved for the loss's own derivative
     for budget, carries, every in ((0.0, 5, 3), (0.1, 7, 2), (1.0, None, None)):
         with aotgrad.config.patch(activation_memory_budget=budget):
@@ -299,7 +306,7 @@ def test_scanned_gpt_checkpoints_carries_below_the_per_iteration_cut() -> None:
             f = aotgrad.compile(w.loss_fn)
             report = aotgrad.explain(f, w.params, w.batch, argnums=0)
             if budget == 0.0:
-                _close(jax.value_and_grad(f)(w.params, w.batch), jax.value_and_grad(w.loss_fn)(w.params, w.batch),
+                _close(jax.value_and_grad(f)(w.params, w.batch), jax.jit(jax.value_and_grad(w.loss_fn))(w.params, w.batch),
                        1e-4)
         saved.append(report.saved_bytes)
         peaks.append(report.memory.peak)
