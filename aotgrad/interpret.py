@@ -26,7 +26,8 @@ def read(env: dict, atom: Any) -> Any:
 def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
                rules: Mapping[Any, Rule] | None = None,
                on_eqn: Callable[[JaxprEqn, list, list], None] | None = None, *,
-               before_eqn: Callable[[int, dict], None] | None = None, bind: Rule = bind_eqn, invars: Sequence[Var] | None = None,
+               before_eqn: Callable[[int, dict], None] | None = None, bind: Rule = bind_eqn,
+               invars: Sequence[Var] | None = None,
                eqns: Sequence[JaxprEqn] | None = None, outvars: Sequence[Any] | None = None) -> list[Any]:
     """Evaluates `jaxpr` on `args` by re-binding its equations; returns its outputs.
 

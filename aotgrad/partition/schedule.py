@@ -17,12 +17,12 @@ How a group waits depends on the backend:
 - GPU and TPU keep `optimization_barrier` through scheduling (as `jax.checkpoint` relies
   on): the group's inputs pass through one barrier with the cotangent.
 - XLA:CPU removes barriers before it schedules, so there (with one device) the group's
-  floating-point inputs become `x - z`, with `z` a zero computed from two elements of the cotangent by
-  integer operations XLA cannot fold. `x - 0.0` is `x` exactly (signed zeros and NaNs
-  included). `z` ends in a reduction, which XLA does not fuse into its readers, so they
-  read one scalar rather than the cotangent. With several devices that zero would be read
-  across shards (a collective per group), so multi-device CPU programs get barriers: correct,
-  but without the lower peak.
+  floating-point inputs become `x - z`, with `z` a zero computed from two elements of the
+  cotangent by integer operations XLA cannot fold. `x - 0.0` is `x` exactly (signed zeros
+  and NaNs included). `z` ends in a reduction, which XLA does not fuse into its readers,
+  so they read one scalar rather than the cotangent. With several devices that zero would
+  be read across shards (a collective per group), so multi-device CPU programs get
+  barriers: correct, but without the lower peak.
 """
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ def _latest_backward_input(eqn: JaxprEqn, position: dict[Var, int],
 
 
 def _floating(aval: Any) -> bool:
-    return jnp.issubdtype(getattr(aval, "dtype", None) or jnp.int32, jnp.floating)
+    dtype = getattr(aval, "dtype", None)  # None for tokens and other non-array values
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def tie(groups: Sequence[Group], by_data: bool) -> Callable[[int, dict], None]:

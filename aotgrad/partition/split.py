@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 from jax.extend.core import ClosedJaxpr, Var
 
 from aotgrad.interpret import eval_jaxpr
-from aotgrad.partition.graph import JointGraph, live_eqns
 from aotgrad.partition import schedule
+from aotgrad.partition.graph import JointGraph, live_eqns
 
 __all__ = ["Split", "recompute_late", "split"]
 
@@ -112,7 +112,7 @@ def _in_order(graph: JointGraph, values: Sequence[Var]) -> list[Var]:
 
 
 def _emit(graph: JointGraph, idx: list[int], invars: list[Var], outvars: list,
-          before_eqn: Any = None) -> ClosedJaxpr:
+          before_eqn: Callable[[int, dict], None] | None = None) -> ClosedJaxpr:
     """Re-traces the selected joint equations into a closed jaxpr."""
     jaxpr = graph.closed.jaxpr
     eqns = [jaxpr.eqns[i] for i in idx]
