@@ -150,8 +150,9 @@ _OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("partitioner", "min_cut", _choice("partitioner", _partitioner_names), str,
            "Strategy that chooses which forward values the backward reads from memory.", keyed=True),
     Option("activation_memory_budget", 1.0, _fraction("activation_memory_budget"), float,
-           "Fraction in [0, 1] of the saved-activation bytes the min_cut partitioner may keep: "
-           "1 saves its runtime-optimal set, 0 saves only inputs and recomputes everything.",
+           "Where in [0, 1] the min_cut partitioner's step peak may lie, between the lowest it "
+           "estimates (0: matmuls recomputed, layer boundaries saved) and that of its "
+           "runtime-optimal set (1); it takes the cheapest cut within.",
            keyed=True),
     Option("backward_pass_autocast", "same_as_forward", _backward_pass_autocast, _env_json_or_text,
            "Autocast context the backward program is built under: 'same_as_forward', 'off', "

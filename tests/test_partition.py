@@ -16,6 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import aotgrad
 from aotgrad.partition import PARTITIONERS, partition
+from aotgrad.partition.split import split
 from aotgrad.trace import trace_joint
 
 try:
@@ -164,22 +165,39 @@ def test_reference_block_saved_bytes(reference_block: Any) -> None:
     assert {e.primitive.name for e in sp.producers} <= {"dot_general", "reshape", "reduce_sum", "exp"}
 
 
-def test_saved_bytes_are_monotone_in_the_budget(reference_block: Any) -> None:
+def _step_peak(sp: Any) -> int:
+    """XLA's peak of the larger of a split's two programs (`memory_analysis()`)."""
+    from benchmarks.strategies import ProgramMemory
+    from jax.extend.core import jaxpr_as_fun
+    peaks = []
+    for program in (sp.forward, sp.backward):
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in program.jaxpr.invars]
+        peaks.append(ProgramMemory.of(jax.jit(jaxpr_as_fun(program)).lower(*avals).compile()).peak)
+    return max(peaks)
+
+
+def test_saved_bytes_and_peak_rise_with_the_budget(reference_block: Any) -> None:
+    """The budget spans the estimated step peak: saved bytes rise with it, budget 1 is the
+    runtime-optimal cut, and the ladder offers real intermediate points. Budget 0 is the
+    lowest peak, not the fewest saved bytes: by XLA's own count its step peak is below that
+    of saving nothing (which recomputes the whole block at the backward's start and holds
+    it: 0.71x), and below the runtime-optimal cut's (0.82x)."""
     budgets = np.linspace(0.0, 1.0, 11)
-    saved = [sum(map(_nbytes, _activations(partition(reference_block, "min_cut", float(b)))))
-             for b in budgets]
+    splits = [partition(reference_block, "min_cut", float(b)) for b in budgets]
+    saved = [sum(map(_nbytes, _activations(sp))) for sp in splits]
     assert saved == sorted(saved), saved
-    b0, b1 = saved[0], saved[-1]
-    assert b0 == 0  # nothing must be saved: every value can be recomputed from the inputs
-    assert b1 == 14_729_216
-    for b, s in zip(budgets, saved):
-        assert s <= b0 + b * (b1 - b0) + 1e-6
-    assert len(set(saved)) >= 4  # the ladder offers real intermediate points
+    assert saved[-1] == 14_729_216
+    assert len(set(saved)) >= 3
+    nothing = split(reference_block, {v: "input" for v in reference_block.inputs})
+    assert not nothing.activations
+    low, full = _step_peak(splits[0]), _step_peak(splits[-1])
+    assert low < 0.75 * _step_peak(nothing) and low < full, (low, _step_peak(nothing), full)
 
 
 def test_budget_zero_recomputes_matmuls(reference_block: Any) -> None:
-    sp = partition(reference_block, "min_cut", 0.0)
-    assert dict(sp.recomputed)["dot_general"] >= 6
+    """Below 1 the budget may recompute compute-bound equations; at 1 it never does."""
+    assert "dot_general" not in dict(partition(reference_block, "min_cut", 1.0).recomputed)
+    assert dict(partition(reference_block, "min_cut", 0.0).recomputed)["dot_general"] >= 3
 
 
 def test_default_partitioner_rejects_a_budget() -> None:

@@ -1,16 +1,25 @@
-"""`activation_memory_budget`: trading recomputation for saved bytes.
+"""`activation_memory_budget`: trading recomputation for a lower step peak.
 
-At budget 1 the min-cut saves its runtime-optimal set (B1 bytes); at budget 0 only
-inputs, and values of equations that must never run twice, are saved (B0 bytes). In
-between, the saved bytes may not exceed B0 + budget x (B1 - B0).
+The budget spans the step's peak memory, as estimated before compiling (`peak.py`): at
+budget 1 the min-cut's runtime-optimal set is saved (estimated peak P1); at budget 0 the
+candidate with the lowest estimated peak P0; in between, the cheapest candidate whose
+estimated peak is at most P0 + budget x (P1 - P0).
 
-A knapsack over individual values would ignore that recomputing one value changes what
-else must be saved (its inputs). Instead, memory is priced: each saved byte costs an
-extra `price` on top of the bytes-moved model, compute-bound equations may be
-recomputed at their FLOP cost, and the cut is solved again for a ladder of prices. Each
-solution is the cheapest (in recompute + traffic) for its saved bytes. Greedy cuts fill
-the gaps pricing skips. The chosen cut is the cheapest candidate that fits the budget;
-because the candidates do not depend on the budget, saved bytes are monotone in it.
+The candidates:
+- A knapsack over individual values would ignore that recomputing one value changes what
+  else must be saved (its inputs). Instead, memory is priced: each saved byte costs an
+  extra `price` on top of the bytes-moved model, compute-bound equations may be
+  recomputed at their FLOP cost, and the cut is solved again for a ladder of prices. Each
+  solution is the cheapest (in recompute + traffic) for its saved bytes. Greedy cuts fill
+  the gaps pricing skips, and the cut that saves only what can never be recomputed ends it.
+- Saving fewer bytes does not by itself lower the peak: with nothing saved, the backward
+  recomputes the whole forward before its first step and holds every layer's internals
+  until their turn. So the priced cuts are solved once more with the layer boundaries
+  (`boundaries.py`) free to save, which lets the backward recompute one layer at a time.
+
+Only candidates that are cheaper to run than every candidate with a lower estimated peak,
+and save no fewer bytes, are kept (`choices`): the estimated peak, the saved bytes and the
+speed all rise with the budget.
 
 A scan extends its body's ladder below "save only the carries" (`scan_schedule`): the
 carry is saved every k-th iteration and the backward recomputes each segment of k
@@ -25,15 +34,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 from jax.extend.core import Var
 
+from aotgrad.partition.boundaries import boundaries
+from aotgrad.partition.peak import estimate
 from aotgrad.partition.rules import Kind
+from aotgrad.partition.split import recompute_late
 
 if TYPE_CHECKING:  # min_cut imports scan, which imports scan_schedule from here
     from aotgrad.partition.min_cut import Cut, Problem
 
-__all__ = ["GREEDY_STEPS", "PRICES", "ScanSchedule", "ladder", "scan_schedule", "within_budget"]
+__all__ = ["GREEDY_STEPS", "PRICES", "Choice", "ScanSchedule", "choices", "ladder", "scan_schedule",
+           "within_budget"]
 
 # Extra cost per saved byte, in the cost model's units (a byte moved costs 1 or 2).
 PRICES = tuple(2.0 ** k for k in range(-4, 13))
+SAME_PEAK = 0.01  # estimated peaks this close (relative) count as equal: the cheaper cut wins
 GREEDY_STEPS = 24  # at most this many greedy cuts (more values are forbidden per step on big graphs)
 
 
@@ -78,16 +92,70 @@ def _runtime_cost(cut: Cut, relaxed: np.ndarray) -> float:
     return float(problem.save_costs[saved].sum() + relaxed[list(cut.recomputed)].sum())
 
 
-def within_budget(problem: Problem, budget: float) -> dict[Var, str]:
-    """The cheapest ladder cut whose saved activation bytes fit the budget."""
+def _with_boundaries(problem: Problem, relaxed: np.ndarray) -> list[Cut]:
+    """The priced cuts again, with the layer boundaries free to save: the backward then
+    recomputes one layer at a time from its input (see `boundaries.py`)."""
+    free = boundaries(problem)
+    if not len(free):
+        return []
+    cuts = []
+    for price in PRICES:
+        save = problem.save_costs + price * problem.nbytes
+        save[free] = 0.0
+        cuts.append(problem.solve(save, relaxed))
+    return cuts
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A candidate cut with what the budget weighs: the step's estimated peak, the
+    runtime cost (recompute + traffic) and the saved activation bytes."""
+    cut: Cut
+    peak: int
+    cost: float
+    saved: int
+
+
+def choices(problem: Problem) -> list[Choice]:
+    """The candidates a budget chooses from, by estimated peak from lowest to highest
+    (the full cut last): each cheaper to run and saving no fewer bytes than the one
+    before, so that the step's peak, the saved bytes and the speed all rise with the
+    budget. The full cut comes first in the list of all candidates and is always kept."""
     relaxed = problem.recompute_costs(allow_costly=True)
-    cuts = ladder(problem, relaxed)
-    b1, b0 = cuts[0].activation_bytes, cuts[-1].activation_bytes
-    limit = b0 + budget * max(b1 - b0, 0)
-    fitting = [c for c in cuts if c.activation_bytes <= limit] or [cuts[-1]]
-    best = min(fitting, key=lambda c: (_runtime_cost(c, relaxed), -c.activation_bytes))
-    return best.reasons(f"budget {budget:g}: fits in {limit:,.0f} bytes, cheapest to keep",
-                        costly_banned=False)
+    seen: dict[frozenset, Choice] = {}
+    for cut in ladder(problem, relaxed) + _with_boundaries(problem, relaxed):
+        key = frozenset(cut.saved)
+        if key not in seen:
+            order = recompute_late(problem.graph, cut.backward_eqns)
+            seen[key] = Choice(cut, estimate(problem.graph, cut.saved, order).step,
+                               _runtime_cost(cut, relaxed), cut.activation_bytes)
+    full, *rest = seen.values()
+    kept: list[Choice] = []
+    floor = 0.0  # the lowest peak among candidates about as low as kept[-1]'s
+    for c in sorted(rest, key=lambda c: (c.peak, c.cost, -c.saved)):
+        if c.peak >= full.peak * (1 - SAME_PEAK):
+            continue  # no lower than the full cut's, for more work
+        if kept and c.peak <= floor * (1 + SAME_PEAK):  # about the same peak: the cheaper one
+            before = kept[-2].saved if len(kept) > 1 else 0
+            if c.cost < kept[-1].cost and c.saved >= before:
+                kept[-1] = c
+        elif not kept or (c.cost < kept[-1].cost and c.saved >= kept[-1].saved):
+            kept.append(c)
+            floor = c.peak
+    while kept and kept[-1].saved > full.saved:
+        kept.pop()
+    return kept + [full]
+
+
+def within_budget(problem: Problem, budget: float) -> dict[Var, str]:
+    """The cheapest candidate whose estimated step peak fits the budget: the limit is
+    P0 + budget x (P1 - P0), P1 the full cut's estimated peak, P0 the lowest."""
+    steps = choices(problem)
+    low, high = steps[0].peak, steps[-1].peak
+    limit = low + budget * (high - low)
+    best = [c for c in steps if c.peak <= limit][-1]
+    return best.cut.reasons(f"budget {budget:g}: estimated step peak {best.peak:,} bytes, within "
+                            f"{limit:,.0f}; cheapest to keep", costly_banned=False)
 
 
 @dataclasses.dataclass(frozen=True)

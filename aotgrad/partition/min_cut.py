@@ -177,7 +177,7 @@ class Cut:
     cut: frozenset[Var]  # as cut, before pruning
 
     @functools.cached_property
-    def _backward(self) -> list[int]:
+    def backward_eqns(self) -> list[int]:
         """Joint-graph indices of the equations the backward runs, cut at saved values."""
         graph = self.problem.graph
         available = set(self.cut) | set(graph.inputs) | set(graph.cotangents) | set(graph.closed.jaxpr.constvars)
@@ -190,7 +190,7 @@ class Cut:
         """Cut values and inputs the backward actually reads, after dead-code elimination."""
         graph = self.problem.graph
         read = set(_vars(graph.grads))
-        for i in self._backward:
+        for i in self.backward_eqns:
             read.update(_vars(graph.eqns[i].invars))
         candidates = list(graph.inputs) + [v for v in self.problem.values if v in self.cut]
         return tuple(v for v in candidates if v in read)
@@ -204,7 +204,7 @@ class Cut:
     def recomputed(self) -> tuple[int, ...]:
         """Positions (in `problem.eqns`) of the forward equations the backward runs again."""
         position = {i: e for e, i in enumerate(self.problem.eqns)}
-        return tuple(position[i] for i in self._backward if i in position)
+        return tuple(position[i] for i in self.backward_eqns if i in position)
 
     def reasons(self, why_cheaper: str = "cheaper to save than to recompute",
                 costly_banned: bool = True) -> dict[Var, str]:

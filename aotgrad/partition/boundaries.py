@@ -1,0 +1,84 @@
+"""Layer boundaries: the narrow forward values every later computation flows through.
+
+In a stack of layers, each layer's output (the residual stream of a transformer) lies on
+every path from the layer's internals to the loss: it *post-dominates* them. Saving those
+values costs little, and it lets the backward recompute one layer at a time from its
+input instead of recomputing the whole forward at its start, which would keep every
+layer's internals live at once.
+
+The boundaries are found from the graph alone: the post-dominator tree of the forward
+values (toward the forward's outputs), its heavy path (from the outputs, always the
+child that post-dominates the most values: the model's spine), and on it the values that
+post-dominate some other value, no wider than the median of those (the loss's logits or
+a layer's hidden activations are not boundaries; the residual stream is). Which of them
+are worth saving is left to the peak estimate: they are offered together, for free.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+from jax.extend.core import Var
+
+if TYPE_CHECKING:  # min_cut imports budget, which imports this module
+    from aotgrad.partition.min_cut import Problem
+
+__all__ = ["boundaries", "post_dominators"]
+
+
+def post_dominators(problem: Problem) -> list[int | None]:
+    """The immediate post-dominator of each forward value (a position in
+    `problem.values`), toward the forward's outputs; `len(values)` stands for the outputs,
+    None for a value no output depends on."""
+    n = len(problem.values)
+    sink = n
+    outputs = {problem.position[v] for v in problem.graph.outputs
+               if isinstance(v, Var) and v in problem.position}
+    made_by = [[] for _ in problem.eqns]  # each equation's output values
+    for k, e in enumerate(problem.producer):
+        made_by[e].append(k)
+    successors: list[list[int]] = [[] for _ in range(n)]
+    for v, e in zip(*problem.edges):
+        successors[v].extend(made_by[e])
+    ipdom: list[int | None] = [None] * n + [sink]
+
+    def meet(a: int, b: int) -> int:  # values are in program order: a post-dominator comes later
+        while a != b:
+            while a < b:
+                a = ipdom[a]
+            while b < a:
+                b = ipdom[b]
+        return a
+
+    for k in range(n - 1, -1, -1):
+        after = [s for s in successors[k] if ipdom[s] is not None] + ([sink] if k in outputs else [])
+        if after:
+            d = after[0]
+            for s in after[1:]:
+                d = meet(d, s)
+            ipdom[k] = d
+    return ipdom[:n]
+
+
+def boundaries(problem: Problem) -> np.ndarray:
+    """Positions (in `problem.values`) of the layer boundaries: values on the heavy path of
+    the post-dominator tree that post-dominate another value, no wider than their median."""
+    ipdom = post_dominators(problem)
+    n = len(problem.values)
+    size = np.ones(n + 1, np.int64)  # values each one post-dominates, itself included
+    children: list[list[int]] = [[] for _ in range(n + 1)]
+    for k in range(n):  # in program order, so a value's size is complete before its ipdom's
+        if ipdom[k] is not None:
+            size[ipdom[k]] += size[k]
+            children[ipdom[k]].append(k)
+    path, node = [], n
+    while children[node]:
+        node = max(children[node], key=lambda c: (size[c], c))
+        if size[node] > 1:
+            path.append(node)
+    if not path:
+        return np.zeros(0, np.int64)
+    nbytes = problem.nbytes[path]
+    wide = nbytes[nbytes > 0]
+    limit = float(np.median(wide)) if len(wide) else 0.0
+    return np.asarray(sorted(k for k, b in zip(path, nbytes) if 0 < b <= limit), np.int64)

@@ -1,0 +1,100 @@
+"""An estimate of a saved set's step peak, for choosing between cuts before compiling.
+
+Each program's peak is estimated as XLA's `memory_analysis()` adds it up: its arguments
+and outputs, plus the largest total of temporaries live at once, running the equations in
+the order the program is emitted: the backward's recomputation just before its first use
+where `schedule.tie` holds it there, and at the backward's start where nothing does (XLA
+starts independent work early). A temporary is counted only if XLA would write it to
+memory: not an elementwise value read only by elementwise equations, which fuse. The step's
+peak is the larger of the two programs'.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+from jax.extend.core import JaxprEqn, Var
+
+from aotgrad.partition import costs, schedule
+from aotgrad.partition.graph import JointGraph, live_eqns
+from aotgrad.partition.rules import Kind, kind_of
+
+__all__ = ["Peak", "estimate"]
+
+_FUSED = (Kind.CHEAP, Kind.MOVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    forward: int
+    backward: int
+
+    @property
+    def step(self) -> int:
+        return max(self.forward, self.backward)
+
+
+def estimate(graph: JointGraph, saved: Iterable[Var], backward_order: Sequence[int]) -> Peak:
+    """The estimated peaks of the programs that save `saved` (joint values, inputs among
+    them); `backward_order`: the backward's equations (joint indices) in emitted order."""
+    saved = list(saved)
+    inputs = set(graph.inputs)
+    consts = set(graph.closed.jaxpr.constvars)
+    activations = [v for v in saved if v not in inputs]
+    fwd_idx, _ = live_eqns(graph.eqns, list(graph.outputs) + activations, inputs | consts)
+    forward = _program_peak([graph.eqns[i] for i in fwd_idx], list(graph.inputs),
+                            list(graph.outputs) + activations)
+    backward = _program_peak(_untied_first(graph, [graph.eqns[i] for i in backward_order]),
+                             saved + list(graph.cotangents), list(graph.grads))
+    return Peak(forward, backward)
+
+
+def _untied_first(graph: JointGraph, eqns: list[JaxprEqn]) -> list[JaxprEqn]:
+    """The backward's equations as XLA runs them: recomputation that no group ties to a
+    cotangent moves to the start (with what it reads, when that is untied too)."""
+    tied = {i for g in schedule.plan(eqns, graph.backward) for i in range(g.start, g.stop)}
+    early: list[JaxprEqn] = []
+    made_early: set[Var] = set()
+    late: list[JaxprEqn] = []
+    made_late: set[Var] = set()
+    for i, e in enumerate(eqns):
+        ins = [v for v in e.invars if isinstance(v, Var)]
+        if i not in tied and not graph.is_backward_eqn(e) and not any(v in made_late for v in ins):
+            early.append(e)
+            made_early.update(e.outvars)
+        else:
+            late.append(e)
+            made_late.update(e.outvars)
+    return early + late
+
+
+def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list) -> int:
+    """Arguments + outputs + the most temporaries live at once, running `eqns` in order."""
+    arg_set = set(args)
+    out_set = {v for v in outs if isinstance(v, Var)}
+    fixed = sum(costs.nbytes(v.aval) for v in arg_set) + \
+        sum(costs.nbytes(v.aval) for v in out_set - arg_set)
+    last: dict[Var, int] = {}
+    written: set[Var] = set()
+    for i, e in enumerate(eqns):
+        reader_fuses = kind_of(e) in _FUSED
+        for v in e.invars:
+            if isinstance(v, Var):
+                last[v] = i
+                if not reader_fuses:
+                    written.add(v)
+    frees: dict[int, int] = {}
+    live = peak = 0
+    for i, e in enumerate(eqns):
+        made_fuses = kind_of(e) in _FUSED
+        for v in e.outvars:
+            if not isinstance(v, Var) or v in out_set or v in arg_set:
+                continue
+            if made_fuses and v not in written:
+                continue
+            b = costs.nbytes(v.aval)
+            live += b
+            frees[last.get(v, i)] = frees.get(last.get(v, i), 0) + b
+        peak = max(peak, live)
+        live -= frees.pop(i, 0)
+    return fixed + peak

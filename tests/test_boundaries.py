@@ -1,0 +1,63 @@
+"""Layer boundaries (`partition/boundaries.py`) and the peak estimate (`partition/peak.py`)
+that the memory budget chooses cuts by: both against hand-known answers."""
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import aotgrad
+from aotgrad.partition.boundaries import boundaries
+from aotgrad.partition.peak import _program_peak
+from aotgrad.trace import trace_joint
+
+min_cut = importlib.import_module("aotgrad.partition.min_cut")  # the module, not the strategy
+
+L, B, D = 3, 8, 16
+
+
+def _problem(fn, *args):
+    f = aotgrad.compile(fn)
+    entry = f._resolve(args, {}).entry
+    return min_cut.Problem.of(trace_joint(entry.fwd, entry.perturbed_for(None), entry.default_has_ct()))
+
+
+def residual_mlp(ws: list, x: jax.Array) -> jax.Array:
+    """Residual layers with a 4x wider hidden activation."""
+    for w1, w2 in ws:
+        x = x + jnp.tanh(x @ w1) @ w2
+    return jnp.sum(x * x)
+
+
+def test_residual_stream_is_the_boundary() -> None:
+    """Each layer's output x_n (n < L) post-dominates the layer's internals: every one is
+    a boundary, produced by an `add`. No [B, 4D] hidden value is one (wider than the
+    stream), and nothing of the last layer's loss chain wider than the stream either."""
+    ks = jax.random.split(jax.random.key(0), 2 * L + 1)
+    ws = [(jax.random.normal(ks[2 * i], (D, 4 * D)), jax.random.normal(ks[2 * i + 1], (4 * D, D)))
+          for i in range(L)]
+    x = jax.random.normal(ks[-1], (B, D))
+    problem = _problem(residual_mlp, ws, x)
+    found = [problem.values[k] for k in boundaries(problem)]
+    graph = problem.graph
+    adds = [v for v in problem.values if v.aval.shape == (B, D)
+            and graph.eqns[graph.producer[v]].primitive is jax.lax.add_p]
+    assert len(adds) == L
+    assert set(adds[:-1]) <= set(found)  # x_1 .. x_{L-1}; x_L feeds only the loss
+    assert all(v.aval.size <= B * D for v in found)
+
+
+def test_program_peak_counts_what_xla_writes_and_frees() -> None:
+    """x @ w, sin, @ w: the matmul outputs and the sine (read by a matmul) are written;
+    at the second matmul the first's output is already free, so the peak temporaries are
+    the first matmul's output with the sine (live together while the sine runs), once."""
+    def f(x, w):
+        return jnp.sin(x @ w) @ w
+    closed = jax.make_jaxpr(f)(jnp.ones((8, 8)), jnp.ones((8, 8)))
+    jaxpr = closed.jaxpr
+    n = 8 * 8 * 4
+    assert [e.primitive.name for e in jaxpr.eqns] == ["dot_general", "sin", "dot_general"]
+    peak = _program_peak(list(jaxpr.eqns), list(jaxpr.invars), list(jaxpr.outvars))
+    assert peak == 2 * n + n + 2 * n  # arguments + output + (x@w, sin) live at once
