@@ -194,6 +194,19 @@ def test_saved_bytes_and_peak_rise_with_the_budget(reference_block: Any) -> None
     assert low < 0.75 * _step_peak(nothing) and low < full, (low, _step_peak(nothing), full)
 
 
+def test_a_saved_set_held_many_times_counts_that_often(reference_block: Any) -> None:
+    """A scan body's saved values are held once per iteration: with 1000 repeats the
+    saved bytes outweigh any one program's peak, so budget 0 saves nothing (every value
+    of the block can be recomputed from the inputs), where one repeat saves the layer
+    boundaries."""
+    mc = importlib.import_module("aotgrad.partition.min_cut")
+    once = mc.min_cut(reference_block, 0.0)
+    many = mc.min_cut(reference_block, 0.0, repeats=1000)
+    inputs = set(reference_block.inputs)
+    assert not [v for v in many if v not in inputs]
+    assert [v for v in once if v not in inputs]
+
+
 def test_budget_zero_recomputes_matmuls(reference_block: Any) -> None:
     """Below 1 the budget may recompute compute-bound equations; at 1 it never does."""
     assert "dot_general" not in dict(partition(reference_block, "min_cut", 1.0).recomputed)

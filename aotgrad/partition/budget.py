@@ -116,19 +116,21 @@ class Choice:
     saved: int
 
 
-def choices(problem: Problem) -> list[Choice]:
+def choices(problem: Problem, repeats: int = 1) -> list[Choice]:
     """The candidates a budget chooses from, by estimated peak from lowest to highest
     (the full cut last): each cheaper to run and saving no fewer bytes than the one
     before, so that the step's peak, the saved bytes and the speed all rise with the
-    budget. The full cut comes first in the list of all candidates and is always kept."""
+    budget. The full cut comes first in the list of all candidates and is always kept.
+    `repeats`: the saved set is held that many times at once (a scan body's saved values,
+    stacked over its iterations), so each candidate's peak counts its bytes that often."""
     relaxed = problem.recompute_costs(allow_costly=True)
     seen: dict[frozenset, Choice] = {}
     for cut in ladder(problem, relaxed) + _with_boundaries(problem, relaxed):
         key = frozenset(cut.saved)
         if key not in seen:
             order = recompute_late(problem.graph, cut.backward_eqns)
-            seen[key] = Choice(cut, estimate(problem.graph, cut.saved, order).step,
-                               _runtime_cost(cut, relaxed), cut.activation_bytes)
+            peak = estimate(problem.graph, cut.saved, order).step + (repeats - 1) * cut.activation_bytes
+            seen[key] = Choice(cut, peak, _runtime_cost(cut, relaxed), cut.activation_bytes)
     full, *rest = seen.values()
     kept: list[Choice] = []
     floor = 0.0  # the lowest peak among candidates about as low as kept[-1]'s
@@ -147,10 +149,10 @@ def choices(problem: Problem) -> list[Choice]:
     return kept + [full]
 
 
-def within_budget(problem: Problem, budget: float) -> dict[Var, str]:
+def within_budget(problem: Problem, budget: float, repeats: int = 1) -> dict[Var, str]:
     """The cheapest candidate whose estimated step peak fits the budget: the limit is
     P0 + budget x (P1 - P0), P1 the full cut's estimated peak, P0 the lowest."""
-    steps = choices(problem)
+    steps = choices(problem, repeats)
     low, high = steps[0].peak, steps[-1].peak
     limit = low + budget * (high - low)
     best = [c for c in steps if c.peak <= limit][-1]
