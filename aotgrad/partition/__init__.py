@@ -27,7 +27,7 @@ PARTITIONERS: dict[str, Strategy] = {
 
 
 # Strategies that also cut inside scan bodies (`partition.scan`), called there as
-# (body graph, budget, repeats = the scan's length); the others leave a scan's residuals as
+# (body graph, budget, stacked=True); the others leave a scan's residuals as
 # `jax.vjp` keeps them.
 SCAN_BODY_CUTS = frozenset({"min_cut"})
 

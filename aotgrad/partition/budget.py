@@ -116,20 +116,21 @@ class Choice:
     saved: int
 
 
-def choices(problem: Problem, repeats: int = 1) -> list[Choice]:
+def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
     """The candidates a budget chooses from, by estimated peak from lowest to highest
     (the full cut last): each cheaper to run and saving no fewer bytes than the one
     before, so that the step's peak, the saved bytes and the speed all rise with the
     budget. The full cut comes first in the list of all candidates and is always kept.
-    `repeats`: the saved set is held that many times at once (a scan body's saved values,
-    stacked over its iterations), so each candidate's peak counts its bytes that often."""
+    `stacked`: the graph is a scan body. Its saved values are stacked over the iterations
+    and outweigh one iteration's working set, so there the saved bytes stand for the
+    peak, and the scan's own schedule (`scan_schedule`) is built on them too."""
     relaxed = problem.recompute_costs(allow_costly=True)
     seen: dict[frozenset, Choice] = {}
     for cut in ladder(problem, relaxed) + _with_boundaries(problem, relaxed):
         key = frozenset(cut.saved)
         if key not in seen:
             order = recompute_late(problem.graph, cut.backward_eqns)
-            peak = estimate(problem.graph, cut.saved, order).step + (repeats - 1) * cut.activation_bytes
+            peak = cut.activation_bytes if stacked else estimate(problem.graph, cut.saved, order).step
             seen[key] = Choice(cut, peak, _runtime_cost(cut, relaxed), cut.activation_bytes)
     full, *rest = seen.values()
     kept: list[Choice] = []
@@ -149,14 +150,16 @@ def choices(problem: Problem, repeats: int = 1) -> list[Choice]:
     return kept + [full]
 
 
-def within_budget(problem: Problem, budget: float, repeats: int = 1) -> dict[Var, str]:
+def within_budget(problem: Problem, budget: float, stacked: bool = False) -> dict[Var, str]:
     """The cheapest candidate whose estimated step peak fits the budget: the limit is
-    P0 + budget x (P1 - P0), P1 the full cut's estimated peak, P0 the lowest."""
-    steps = choices(problem, repeats)
+    P0 + budget x (P1 - P0), P1 the full cut's estimated peak, P0 the lowest (saved
+    bytes for a scan body: `stacked`)."""
+    steps = choices(problem, stacked)
+    what = "saves" if stacked else "estimated step peak"
     low, high = steps[0].peak, steps[-1].peak
     limit = low + budget * (high - low)
     best = [c for c in steps if c.peak <= limit][-1]
-    return best.cut.reasons(f"budget {budget:g}: estimated step peak {best.peak:,} bytes, within "
+    return best.cut.reasons(f"budget {budget:g}: {what} {best.peak:,} bytes, within "
                             f"{limit:,.0f}; cheapest to keep", costly_banned=False)
 
 

@@ -237,13 +237,12 @@ class Cut:
         return out
 
 
-def min_cut(graph: JointGraph, budget: float = 1.0, repeats: int = 1) -> dict[Var, str]:
+def min_cut(graph: JointGraph, budget: float = 1.0, stacked: bool = False) -> dict[Var, str]:
     """The "min_cut" strategy: the cheapest saved set in bytes moved; with a budget below
-    1, a lower estimated step peak at the least recompute cost (see `budget.py`).
-    `repeats`: how many times the saved set is held at once (a scan body's, once per
-    iteration)."""
+    1, a lower step peak at the least recompute cost (see `budget.py`). `stacked`: the
+    graph is a scan body, whose saved set is held once per iteration."""
     problem = Problem.of(graph)
     if budget >= 1.0:
         return problem.full_cut().reasons()
     from aotgrad.partition.budget import within_budget
-    return within_budget(problem, budget, repeats)
+    return within_budget(problem, budget, stacked)

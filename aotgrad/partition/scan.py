@@ -34,8 +34,8 @@ from aotgrad.partition.budget import ScanSchedule, scan_schedule
 
 __all__ = ["BodyCut", "is_cut_scan", "partition_scans"]
 
-# (joint graph of a body, budget, repeats: the scan's length) -> {saved joint value: reason}
-BodyCut = Callable[[Any, float, int], dict[Var, str]]
+# (joint graph of a body, budget, stacked=True) -> {saved joint value: reason}
+BodyCut = Callable[[Any, float, bool], dict[Var, str]]
 
 _PREFIX = "aotgrad_scan_value_"
 # The name scope of a scan split into checkpointed segments (read back by `segment_schedules`).
@@ -140,10 +140,10 @@ def _cut_names(body: ClosedJaxpr, cut: BodyCut, budget: float, rules: dict, leng
     def per_iteration(saved: dict) -> int:
         return carry + sum(costs.nbytes(v.aval) for v in saved if v not in inputs)
 
-    ends = {b: cut(graph, b, length) for b in (0.0, 1.0)}
+    ends = {b: cut(graph, b, True) for b in (0.0, 1.0)}
     schedule = scan_schedule(length, carry, (per_iteration(ends[0.0]), per_iteration(ends[1.0])), sliced,
                              budget)
-    saved = ends[schedule.body_budget] if schedule.body_budget in ends else cut(graph, schedule.body_budget, length)
+    saved = ends[schedule.body_budget] if schedule.body_budget in ends else cut(graph, schedule.body_budget, True)
     name_of: dict[Var, str] = {}
     for eqn in graph.eqns:
         if eqn.primitive is P.name_p and eqn.params["name"].startswith(_PREFIX):
