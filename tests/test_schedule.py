@@ -104,9 +104,10 @@ def test_unrolled_gpt_peak_is_below_the_fused_program() -> None:
 
 def test_unrolled_gpt_peak_falls_with_the_budget() -> None:
     """The same stack at budgets 1, 0.5 and 0: XLA's step peak falls with the budget, and
-    at budget 0 it is at most 0.55x the fused program's (0.35x). Saving nothing instead
-    recomputes the whole stack at the backward's start (about 1x the fused peak); budget 0
-    saves the layer boundaries and recomputes one layer at a time."""
+    at budget 0 it is at most 0.45x the fused program's (0.35x; the issue's target is
+    0.55x). Saving nothing instead recomputes the whole stack at the backward's start
+    (about 1x the fused peak), and without the layer-boundary candidates budget 0 is
+    0.48x; budget 0 saves the boundaries and recomputes one layer at a time."""
     from benchmarks.strategies import ProgramMemory
     from benchmarks.workloads import build
     w = build("gpt", "gpt", dict(batch=8, seq=64, d_model=64, heads=4, layers=4, vocab=128))
@@ -118,4 +119,4 @@ def test_unrolled_gpt_peak_falls_with_the_budget() -> None:
         peaks.append(report.memory.peak)
         saved.append(report.saved_bytes)
     assert peaks == sorted(peaks) and saved == sorted(saved), (peaks, saved)
-    assert peaks[0] <= 0.55 * fused, (peaks, fused)
+    assert peaks[0] <= 0.45 * fused, (peaks, fused)

@@ -5,8 +5,9 @@ and outputs, plus the largest total of temporaries live at once, running the equ
 the order the program is emitted: the backward's recomputation just before its first use
 where `schedule.tie` holds it there, and at the backward's start where nothing does (XLA
 starts independent work early). A temporary is counted only if XLA would write it to
-memory: not an elementwise value read only by elementwise equations, which fuse. The step's
-peak is the larger of the two programs'.
+memory: not an elementwise value read by one elementwise equation, which fuses into it
+(a value with two readers is written: XLA keeps a batch norm's centred input, say, for
+its backward). The step's peak is the larger of the two programs'.
 """
 from __future__ import annotations
 
@@ -80,9 +81,9 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list) -> int:
         reader_fuses = kind_of(e) in _FUSED
         for v in e.invars:
             if isinstance(v, Var):
-                last[v] = i
-                if not reader_fuses:
+                if not reader_fuses or v in last:  # a second reader: XLA writes it
                     written.add(v)
+                last[v] = i
     frees: dict[int, int] = {}
     live = peak = 0
     for i, e in enumerate(eqns):
