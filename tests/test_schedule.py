@@ -120,3 +120,14 @@ def test_unrolled_gpt_peak_falls_with_the_budget() -> None:
         saved.append(report.saved_bytes)
     assert peaks == sorted(peaks) and saved == sorted(saved), (peaks, saved)
     assert peaks[0] <= 0.45 * fused, (peaks, fused)
+
+
+def test_a_reshape_alone_does_not_wait() -> None:
+    """Recomputation that only reshapes is a view of its input: it is not tied (a tie
+    would copy the input, as it copied a scanned model's stacked weights: 2.4 MB of its
+    budget-0 peak)."""
+    def f(w, x):
+        return jnp.sum(x * w.reshape(x.shape))
+    report = aotgrad.explain(aotgrad.compile(f), jnp.ones((4, 8)), jnp.ones((8, 4)))
+    assert dict(report.recomputed) == {"reshape": 1}
+    assert report.recompute_groups == 0

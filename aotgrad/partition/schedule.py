@@ -8,10 +8,12 @@ recomputed value is then live at once and the backward's peak is the forward's a
 it, so layer n's forward is recomputed when the backward reaches layer n.
 
 A group is every recomputed equation whose first (transitive) backward consumer is the
-same equation C; it waits for the latest-computed backward value C reads. Groups come
-from the graph, not from annotations. Waiting cannot form a cycle: that value is computed
-before C by equations that do not read C's group (C is its first consumer). The group's
-members are contiguous in `recompute_late`'s order, ending just before C.
+same equation C; it waits for the latest-computed backward value C reads, unless all it
+does is reshape (a view: the reshapes of a scan's stacked weights are free early, while
+a tie would copy the weights). Groups come from the graph, not from annotations.
+Waiting cannot form a cycle: that value is computed before C by equations that do not
+read C's group (C is its first consumer). The group's members are contiguous in
+`recompute_late`'s order, ending just before C.
 
 How a group waits depends on the backend:
 - GPU and TPU keep `optimization_barrier` through scheduling (as `jax.checkpoint` relies
@@ -31,9 +33,13 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import jax.extend.core.primitives as P
 from jax.extend.core import JaxprEqn, Var
 
-__all__ = ["Group", "plan", "tie"]
+__all__ = ["Group", "VIEWS", "plan", "tie"]
+
+# Equations XLA turns into views of their input (no copy): a group of only these is not tied.
+VIEWS = frozenset({P.reshape_p, P.squeeze_p})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +76,8 @@ def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var]) -> tuple[Group, ...
         after = _latest_backward_input(eqns[c], position, backward)
         if after is None or position[after] >= min(group) or max(group) - min(group) + 1 != len(group):
             continue  # nothing to wait for (C reads only the program's cotangents), or not one run
+        if all(eqns[i].primitive in VIEWS for i in group):
+            continue  # free to run early, while a tie would copy the viewed input
         inside = {v for i in group for v in eqns[i].outvars}
         inputs = tuple(dict.fromkeys(v for i in group for v in eqns[i].invars
                                      if isinstance(v, Var) and v not in inside))
