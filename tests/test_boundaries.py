@@ -6,12 +6,11 @@ import importlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import aotgrad
 from aotgrad.partition.boundaries import boundaries
 from aotgrad.partition.peak import _program_peak
-from aotgrad.trace import trace_joint
+from tests.test_partition import _graph
 
 min_cut = importlib.import_module("aotgrad.partition.min_cut")  # the module, not the strategy
 
@@ -19,9 +18,7 @@ L, B, D = 3, 8, 16
 
 
 def _problem(fn, *args):
-    f = aotgrad.compile(fn)
-    entry = f._resolve(args, {}).entry
-    return min_cut.Problem.of(trace_joint(entry.fwd, entry.perturbed_for(None), entry.default_has_ct()))
+    return min_cut.Problem.of(_graph(fn, *args))
 
 
 def residual_mlp(ws: list, x: jax.Array) -> jax.Array:

@@ -7,6 +7,8 @@ peak against the fused `jax.jit(jax.value_and_grad)` program, both from XLA's ow
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,14 +92,21 @@ def test_waiting_keeps_signed_zeros_and_infinities() -> None:
     np.testing.assert_allclose(np.asarray(got)[ok], np.asarray(want)[ok], rtol=1e-6)
 
 
+@functools.cache
+def _gpt_and_fused_peak() -> tuple:
+    """The unrolled 4-layer GPT of the peak tests, and XLA's peak of its fused
+    `jax.jit(jax.value_and_grad)` program (built once for both tests)."""
+    from benchmarks.strategies import ProgramMemory
+    from benchmarks.workloads import build
+    w = build("gpt", "gpt", dict(batch=8, seq=64, d_model=64, heads=4, layers=4, vocab=128))
+    return w, ProgramMemory.of(jax.jit(jax.value_and_grad(w.loss_fn)).lower(w.params, w.batch).compile()).peak
+
+
 def test_unrolled_gpt_peak_is_below_the_fused_program() -> None:
     """A 4-layer GPT stack written as a Python loop, at budget 1: the step's peak (the
     larger program) is at most 0.75x the fused program's (0.63x). Without the ties it is 1.07x:
     the backward recomputed every layer at its start."""
-    from benchmarks.strategies import ProgramMemory
-    from benchmarks.workloads import build
-    w = build("gpt", "gpt", dict(batch=8, seq=64, d_model=64, heads=4, layers=4, vocab=128))
-    fused = ProgramMemory.of(jax.jit(jax.value_and_grad(w.loss_fn)).lower(w.params, w.batch).compile()).peak
+    w, fused = _gpt_and_fused_peak()
     report = aotgrad.explain(aotgrad.compile(w.loss_fn), w.params, w.batch, argnums=0)
     assert report.memory.peak <= 0.75 * fused, (report.memory, fused)
 
@@ -108,10 +117,7 @@ def test_unrolled_gpt_peak_falls_with_the_budget() -> None:
     0.55x). Saving nothing instead recomputes the whole stack at the backward's start
     (about 1x the fused peak), and without the layer-boundary candidates budget 0 is
     0.48x; budget 0 saves the boundaries and recomputes one layer at a time."""
-    from benchmarks.strategies import ProgramMemory
-    from benchmarks.workloads import build
-    w = build("gpt", "gpt", dict(batch=8, seq=64, d_model=64, heads=4, layers=4, vocab=128))
-    fused = ProgramMemory.of(jax.jit(jax.value_and_grad(w.loss_fn)).lower(w.params, w.batch).compile()).peak
+    w, fused = _gpt_and_fused_peak()
     peaks, saved = [], []
     for budget in (0.0, 0.5, 1.0):
         with aotgrad.config.patch(activation_memory_budget=budget):

@@ -57,7 +57,7 @@ def ladder(problem: Problem, relaxed: np.ndarray) -> list[Cut]:
     compute-bound equations allowed."""
     full = problem.full_cut()
     cuts = [full]
-    cuts += [problem.solve(problem.save_costs + price * problem.nbytes, relaxed) for price in PRICES]
+    cuts += _priced(problem, relaxed)
     cuts += _greedy(problem, full, relaxed)
     unsafe = np.asarray([np.inf if k is Kind.UNSAFE else 0.0 for k in problem.kinds])
     cuts.append(problem.solve(problem.nbytes, unsafe))
@@ -92,18 +92,23 @@ def _runtime_cost(cut: Cut, relaxed: np.ndarray) -> float:
     return float(problem.save_costs[saved].sum() + relaxed[list(cut.recomputed)].sum())
 
 
+def _priced(problem: Problem, relaxed: np.ndarray, free: np.ndarray | None = None) -> list[Cut]:
+    """One cut per price in `PRICES`: each saved byte costs `price` more; values at the
+    positions `free` are free to save."""
+    cuts = []
+    for price in PRICES:
+        save = problem.save_costs + price * problem.nbytes
+        if free is not None:
+            save[free] = 0.0
+        cuts.append(problem.solve(save, relaxed))
+    return cuts
+
+
 def _with_boundaries(problem: Problem, relaxed: np.ndarray) -> list[Cut]:
     """The priced cuts again, with the layer boundaries free to save: the backward then
     recomputes one layer at a time from its input (see `boundaries.py`)."""
     free = boundaries(problem)
-    if not len(free):
-        return []
-    cuts = []
-    for price in PRICES:
-        save = problem.save_costs + price * problem.nbytes
-        save[free] = 0.0
-        cuts.append(problem.solve(save, relaxed))
-    return cuts
+    return _priced(problem, relaxed, free) if len(free) else []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +118,10 @@ class Choice:
     cut: Cut
     peak: int
     cost: float
-    saved: int
+
+    @property
+    def saved(self) -> int:
+        return self.cut.activation_bytes
 
 
 def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
@@ -128,10 +136,13 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
     seen: dict[frozenset, Choice] = {}
     for cut in ladder(problem, relaxed) + _with_boundaries(problem, relaxed):
         key = frozenset(cut.saved)
-        if key not in seen:
-            order = recompute_late(problem.graph, cut.backward_eqns)
-            peak = cut.activation_bytes if stacked else estimate(problem.graph, cut.saved, order).step
-            seen[key] = Choice(cut, peak, _runtime_cost(cut, relaxed), cut.activation_bytes)
+        if key in seen:
+            continue
+        if stacked:
+            peak = cut.activation_bytes
+        else:
+            peak = estimate(problem.graph, cut.saved, recompute_late(problem.graph, cut.backward_eqns)).step
+        seen[key] = Choice(cut, peak, _runtime_cost(cut, relaxed))
     full, *rest = seen.values()
     kept: list[Choice] = []
     floor = 0.0  # the lowest peak among candidates about as low as kept[-1]'s

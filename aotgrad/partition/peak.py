@@ -55,14 +55,12 @@ def _untied_first(graph: JointGraph, eqns: list[JaxprEqn]) -> list[JaxprEqn]:
     cotangent moves to the start (with what it reads, when that is untied too)."""
     tied = {i for g in schedule.plan(eqns, graph.backward) for i in range(g.start, g.stop)}
     early: list[JaxprEqn] = []
-    made_early: set[Var] = set()
     late: list[JaxprEqn] = []
-    made_late: set[Var] = set()
+    made_late: set[Var] = set()  # an equation reading these stays late too
     for i, e in enumerate(eqns):
         ins = [v for v in e.invars if isinstance(v, Var)]
         if i not in tied and not graph.is_backward_eqn(e) and not any(v in made_late for v in ins):
             early.append(e)
-            made_early.update(e.outvars)
         else:
             late.append(e)
             made_late.update(e.outvars)
@@ -95,7 +93,8 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list) -> int:
                 continue
             b = costs.nbytes(v.aval)
             live += b
-            frees[last.get(v, i)] = frees.get(last.get(v, i), 0) + b
+            freed_at = last.get(v, i)  # after its last reader, or at once if it has none
+            frees[freed_at] = frees.get(freed_at, 0) + b
         peak = max(peak, live)
         live -= frees.pop(i, 0)
     return fixed + peak
