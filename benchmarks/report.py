@@ -37,17 +37,19 @@ def _cells(r: Row, fused_peak: int | None) -> list[str]:
     if r.build is not None:
         build = f"{r.build.trace:.2f}/{r.build.partition:.2f}/{r.build.compile:.2f}"
     peak = r.memory.peak if r.memory else None
+    jitted = r.memory.jitted_peak if r.memory else None
     return [r.workload, r.strategy, f"{st.median * 1e3:.2f}", f"{st.iqr * 1e3:.2f}",
             _ratio(r.ratio_vs_jax), _ratio(r.ratio_vs_fused),
             _mb(r.saved.activations if r.saved else None), _mb(r.saved.inputs if r.saved else None),
             _mb(peak), _peak_pair(r.memory), _ratio(peak / fused_peak if peak and fused_peak else None),
+            _ratio(jitted / fused_peak if jitted and fused_peak else None),
             "-" if r.first_step_s is None else f"{r.first_step_s:.2f}", build,
             "-" if r.grad_error is None else f"{r.grad_error:.1e}"]
 
 
 HEADER = ["workload", "strategy", "step ms", "IQR ms", "vs jax", "vs fused", "saved MB", "in MB",
-          "peak MB", "fwd/bwd peak MB", "peak vs fused", "1st s", "tr/part/comp s", "grad err"]
-RIGHT = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13}
+          "peak MB", "fwd/bwd peak MB", "peak vs fused", "in jit", "1st s", "tr/part/comp s", "grad err"]
+RIGHT = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14}
 
 
 def _fused_peaks(rows: Sequence[Row]) -> dict[str, int]:

@@ -57,11 +57,17 @@ class ProgramMemory:
     """XLA's `memory_analysis()` of a strategy's programs, in bytes (None: not reported,
     or no such program). A program's peak is its arguments + outputs + scratch: for a
     backward, the saved values, cotangents and gradients it holds besides its scratch.
-    The step's peak is the larger of the two (a one-program strategy has only `forward`)."""
+    The step's peak is the larger of the two (a one-program strategy has only `forward`).
+
+    `jitted_peak`: the peak of the same step inside one `jax.jit` (of `jax.value_and_grad`
+    of the strategy's function), as a training loop that jits its step runs it. There XLA
+    frees each saved value after its last use, which separate programs cannot: their
+    saved values are the backward's arguments. A one-program strategy's own peak."""
     forward_temp: int | None
     forward_peak: int | None
     backward_temp: int | None = None
     backward_peak: int | None = None
+    jitted_peak: int | None = None
 
     @property
     def peak(self) -> int | None:
@@ -69,11 +75,14 @@ class ProgramMemory:
         return max(vals) if vals else None
 
     @classmethod
-    def of(cls, forward: Any, backward: Any = None) -> "ProgramMemory":
-        """From compiled programs (`jax.stages.Compiled`)."""
+    def of(cls, forward: Any, backward: Any = None, jitted: Any = None) -> "ProgramMemory":
+        """From compiled programs (`jax.stages.Compiled`); `jitted`: the step in one
+        program (for a one-program strategy, `forward` itself)."""
         ft, fp = _stats(forward)
-        bt, bp = _stats(backward) if backward is not None else (None, None)
-        return cls(ft, fp, bt, bp)
+        if backward is None:
+            return cls(ft, fp, jitted_peak=fp)
+        bt, bp = _stats(backward)
+        return cls(ft, fp, bt, bp, _stats(jitted)[1] if jitted is not None else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,11 +291,15 @@ def _aotgrad(name: str, partitioner: str, w: Workload, memory: bool) -> Prepared
         of_params = aotgrad.compile(lambda params: w.loss_fn(params, w.batch))
         compiled = of_params.lower(w.params).compile()
         report = aotgrad.explain(of_params, w.params)
+        jitted = None
+        if memory:  # the step as a training loop jits it
+            step_fn = jax.jit(jax.value_and_grad(aotgrad.compile(w.loss_fn), argnums=0))
+            jitted = step_fn.lower(w.params, w.batch).compile()
     if report.saved_bytes != measured.activations:
         notes.append(f"explain says {report.saved_bytes:,} saved activation bytes; "
                      f"the forward returned {measured.activations:,}")
     saved = SavedBytes(activations=report.saved_bytes, inputs=measured.inputs, arrays=measured.arrays)
-    mem = ProgramMemory.of(compiled.forward, compiled.backward) if memory else None
+    mem = ProgramMemory.of(compiled.forward, compiled.backward, jitted) if memory else None
     t = compiled.timings
     build = BuildSeconds(t.trace, t.partition, t.lower, t.compile)
     return Prepared(name, step, context, grads, first, saved, mem, build, tuple(notes))
@@ -317,9 +330,13 @@ def _autocast(name: str, w: Workload, memory: bool) -> Prepared:
         of_params = aotgrad.compile(lambda params: w.loss_fn(params, w.batch))
         compiled = of_params.lower(w.params).compile()
         report = aotgrad.explain(of_params, w.params)
+        jitted = None
+        if memory:  # the step as a training loop jits it
+            step_fn = jax.jit(jax.value_and_grad(aotgrad.compile(w.loss_fn), argnums=0))
+            jitted = step_fn.lower(w.params, w.batch).compile()
     saved = SavedBytes(activations=report.saved_bytes, inputs=report.saved_input_bytes,
                        arrays=len(report.saved))
-    mem = ProgramMemory.of(compiled.forward, compiled.backward) if memory else None
+    mem = ProgramMemory.of(compiled.forward, compiled.backward, jitted) if memory else None
     t = compiled.timings
     reference = jax.jit(jax.grad(w.loss_fn))(w.params, w.batch)
     error = max_relative_error(grads, reference)

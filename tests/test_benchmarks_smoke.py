@@ -89,6 +89,10 @@ def test_runner_cli_writes_expected_json(tmp_path: Path) -> None:
         m = r["memory"]  # XLA's memory analysis: every program's peak holds at least its outputs
         assert m is not None and m["forward_peak"] > 0 and m["peak"] >= m["forward_peak"]
         assert (m["backward_peak"] is None) == (strategy == "fused")
+        # The step in one jit: the fused program is its own; aotgrad's is compiled apart.
+        assert (m["jitted_peak"] is None) == (strategy == "jax_fwd_and_bwd")
+        if strategy == "fused":
+            assert m["jitted_peak"] == m["peak"]
     overhead = {(o["mode"], o["strategy"]): o for o in data["overhead"]["rows"]}
     assert ("latency", "jax_fwd_and_bwd") in overhead
     assert all(o["per_call"]["median"] > 0 for o in overhead.values())
