@@ -102,12 +102,20 @@ def _gpt_and_fused_peak() -> tuple:
     return w, ProgramMemory.of(jax.jit(jax.value_and_grad(w.loss_fn)).lower(w.params, w.batch).compile()).peak
 
 
+@functools.cache
+def _gpt_report(budget: float) -> aotgrad.Report:
+    """`explain` of that GPT at `budget` (built once for the tests that read it)."""
+    w, _ = _gpt_and_fused_peak()
+    with aotgrad.config.patch(activation_memory_budget=budget):
+        return aotgrad.explain(aotgrad.compile(w.loss_fn), w.params, w.batch, argnums=0)
+
+
 def test_unrolled_gpt_peak_is_below_the_fused_program() -> None:
     """A 4-layer GPT stack written as a Python loop, at budget 1: the step's peak (the
     larger program) is at most 0.75x the fused program's (0.63x). Without the ties it is 1.07x:
     the backward recomputed every layer at its start."""
-    w, fused = _gpt_and_fused_peak()
-    report = aotgrad.explain(aotgrad.compile(w.loss_fn), w.params, w.batch, argnums=0)
+    _, fused = _gpt_and_fused_peak()
+    report = _gpt_report(1.0)
     assert report.memory.peak <= 0.75 * fused, (report.memory, fused)
 
 
@@ -117,11 +125,10 @@ def test_unrolled_gpt_peak_falls_with_the_budget() -> None:
     0.55x). Saving nothing instead recomputes the whole stack at the backward's start
     (about 1x the fused peak), and without the layer-boundary candidates budget 0 is
     0.48x; budget 0 saves the boundaries and recomputes one layer at a time."""
-    w, fused = _gpt_and_fused_peak()
+    _, fused = _gpt_and_fused_peak()
     peaks, saved = [], []
     for budget in (0.0, 0.5, 1.0):
-        with aotgrad.config.patch(activation_memory_budget=budget):
-            report = aotgrad.explain(aotgrad.compile(w.loss_fn), w.params, w.batch, argnums=0)
+        report = _gpt_report(budget)
         peaks.append(report.memory.peak)
         saved.append(report.saved_bytes)
     assert peaks == sorted(peaks) and saved == sorted(saved), (peaks, saved)
@@ -132,18 +139,16 @@ def test_a_jitted_training_step_keeps_the_lower_peak() -> None:
     """The step as a training loop writes it, `jax.jit(jax.value_and_grad(compiled))`:
     one XLA program holds the forward and backward, so XLA could merge each recomputed
     value with its forward original (common subexpressions) or run the recomputation
-    early. The ties keep them apart: the program's peak falls with the budget and is
-    0.54x / 0.46x / 0.34x the fused program's at budgets 1 / 0.5 / 0 (about 1x
-    without the ties)."""
+    early. The ties keep them apart: the program's peak is 0.54x / 0.34x the fused
+    program's at budgets 1 / 0 (about 1x without the ties)."""
     from benchmarks.strategies import ProgramMemory
     w, fused = _gpt_and_fused_peak()
     peaks = []
-    for budget in (0.0, 0.5, 1.0):
+    for budget in (0.0, 1.0):
         with aotgrad.config.patch(activation_memory_budget=budget):
             step = jax.jit(jax.value_and_grad(aotgrad.compile(w.loss_fn)))
             peaks.append(ProgramMemory.of(step.lower(w.params, w.batch).compile()).peak)
-    assert peaks == sorted(peaks), peaks
-    assert peaks[0] <= 0.45 * fused and peaks[2] <= 0.65 * fused, (peaks, fused)
+    assert peaks[0] <= 0.45 * fused and peaks[1] <= 0.65 * fused, (peaks, fused)
 
 
 def test_a_reshape_alone_does_not_wait() -> None:
