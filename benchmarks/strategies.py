@@ -261,6 +261,19 @@ def _jax_peer(w: Workload, memory: bool) -> Prepared:
     return Prepared("jax_fwd_and_bwd", step, contextlib.nullcontext, grads, first, saved, mem, None, notes)
 
 
+def _jitted_step(w: Workload, notes: list[str]) -> Any:
+    """The compiled `jax.jit(jax.value_and_grad(aotgrad.compile(loss)))`, as a training
+    loop jits its step (built under the caller's options); None, with a note, if it
+    cannot be built: the row keeps its other measurements."""
+    try:
+        step = jax.jit(jax.value_and_grad(aotgrad.compile(w.loss_fn), argnums=0))
+        return step.lower(w.params, w.batch).compile()
+    except Exception as e:  # reported, not fatal: the split programs were measured
+        first = (str(e).splitlines() or [""])[0]
+        notes.append(f"the step in one jit could not be built: {type(e).__name__}: {first}")
+        return None
+
+
 def _aotgrad(name: str, partitioner: str, w: Workload, memory: bool) -> Prepared:
     partitioner, _, budget = partitioner.partition("@")
     options = {"partitioner": partitioner}
@@ -291,10 +304,7 @@ def _aotgrad(name: str, partitioner: str, w: Workload, memory: bool) -> Prepared
         of_params = aotgrad.compile(lambda params: w.loss_fn(params, w.batch))
         compiled = of_params.lower(w.params).compile()
         report = aotgrad.explain(of_params, w.params)
-        jitted = None
-        if memory:  # the step as a training loop jits it
-            step_fn = jax.jit(jax.value_and_grad(aotgrad.compile(w.loss_fn), argnums=0))
-            jitted = step_fn.lower(w.params, w.batch).compile()
+        jitted = _jitted_step(w, notes) if memory else None
     if report.saved_bytes != measured.activations:
         notes.append(f"explain says {report.saved_bytes:,} saved activation bytes; "
                      f"the forward returned {measured.activations:,}")
@@ -319,6 +329,7 @@ def _autocast(name: str, w: Workload, memory: bool) -> Prepared:
     the function is traced and is part of its cache key, so every call runs inside it."""
     dtype, tolerance = AUTOCAST_STRATEGIES[name]
     context = lambda: aotgrad.autocast(dtype=dtype)  # noqa: E731
+    notes: list[str] = []
     with context():
         fwd, bwd = aotgrad.fwd_and_bwd(w.loss_fn, argnums=0)
         ct = jnp.ones((), fwd(w.params, w.batch)[0].dtype)  # the loss may be 16-bit under autocast
@@ -330,17 +341,14 @@ def _autocast(name: str, w: Workload, memory: bool) -> Prepared:
         of_params = aotgrad.compile(lambda params: w.loss_fn(params, w.batch))
         compiled = of_params.lower(w.params).compile()
         report = aotgrad.explain(of_params, w.params)
-        jitted = None
-        if memory:  # the step as a training loop jits it
-            step_fn = jax.jit(jax.value_and_grad(aotgrad.compile(w.loss_fn), argnums=0))
-            jitted = step_fn.lower(w.params, w.batch).compile()
+        jitted = _jitted_step(w, notes) if memory else None
     saved = SavedBytes(activations=report.saved_bytes, inputs=report.saved_input_bytes,
                        arrays=len(report.saved))
     mem = ProgramMemory.of(compiled.forward, compiled.backward, jitted) if memory else None
     t = compiled.timings
     reference = jax.jit(jax.grad(w.loss_fn))(w.params, w.batch)
     error = max_relative_error(grads, reference)
-    notes = [f"casts: {report.casts}"]
+    notes.insert(0, f"casts: {report.casts}")
     if error > tolerance:
         notes.append(f"gradient error {error:.1e} above the expected {tolerance:.0e} for {jnp.dtype(dtype).name}")
     return Prepared(name, step, context, grads, first, saved, mem,
