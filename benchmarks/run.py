@@ -28,7 +28,7 @@ from benchmarks import overhead as overhead_mod
 from benchmarks import peers_torch, report, suite as suite_mod
 from benchmarks.measure import interleaved, steps_for, summarize, time_steps
 from benchmarks.records import Row, machine_info, now, versions
-from benchmarks.strategies import AOTGRAD_PREFIX, Prepared, expand, max_relative_error, prepare
+from benchmarks.strategies import AOTGRAD_PREFIX, Prepared, expand, first_line, max_relative_error, prepare
 from benchmarks.workloads import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,11 +59,6 @@ def _resolve(path: str, default: str) -> str:
     if os.path.isabs(path) or os.path.exists(path) or path != default:
         return path
     return os.path.join(ROOT, path)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
 # ----------------------------------------------------------------------------- selection
@@ -136,7 +131,7 @@ def run_workload(spec: suite_mod.WorkloadSpec, strategies: Sequence[str], repeat
         w = build(spec.name, spec.kind, spec.sizes)
         reference = jax.block_until_ready(jax.jit(jax.grad(w.loss_fn))(w.params, w.batch))
     except Exception as e:
-        msg = f"workload {spec.name} could not be built: {_first_line(e)}"
+        msg = f"workload {spec.name} could not be built: {first_line(e)}"
         log(f"{tag} {msg}")
         return [Row(spec.name, s, error=msg) for s in strategies]
 
@@ -147,7 +142,7 @@ def run_workload(spec: suite_mod.WorkloadSpec, strategies: Sequence[str], repeat
         try:
             ready[s] = _prepare(s, w, memory)
         except Exception as e:
-            msg = _first_line(e)
+            msg = first_line(e)
             log(f"{tag} {spec.name} / {s}: FAILED while building: {msg} (continuing)")
             rows[s] = Row(spec.name, s, error=f"build: {msg}")
             continue
@@ -162,7 +157,7 @@ def run_workload(spec: suite_mod.WorkloadSpec, strategies: Sequence[str], repeat
         try:
             estimates[s] = estimate_step_seconds(p)
         except Exception as e:
-            errors[s] = _first_line(e)
+            errors[s] = first_line(e)
     n_steps = steps_for(statistics.median(estimates.values()), min_sample_seconds) if estimates else 1
     steps = {s: n_steps for s in estimates}
 
@@ -176,7 +171,7 @@ def run_workload(spec: suite_mod.WorkloadSpec, strategies: Sequence[str], repeat
                 with p.context():
                     return time_steps(p.step, p.block, n)
             except Exception as e:
-                errors[s] = _first_line(e)
+                errors[s] = first_line(e)
                 return float("nan")
         return sample
 
@@ -194,7 +189,7 @@ def run_workload(spec: suite_mod.WorkloadSpec, strategies: Sequence[str], repeat
             err: float | None = max_relative_error(p.grads, reference)
         except Exception as e:
             err = None
-            p = dataclasses.replace(p, notes=p.notes + (f"gradient check failed: {_first_line(e)}",))
+            p = dataclasses.replace(p, notes=p.notes + (f"gradient check failed: {first_line(e)}",))
         rows[s] = Row(spec.name, s, step=summarize(samples[s]), steps_per_sample=steps[s],
                       saved=p.saved, memory=p.memory, build=p.build, first_step_s=p.first_step_s,
                       grad_error=err, notes=p.notes)
@@ -260,7 +255,7 @@ def run_suite(suite: suite_mod.Suite, *, workloads: Sequence[str] | None = None,
             try:
                 overhead_rows = overhead_mod.run_overhead(suite.overhead, aot, log)
             except Exception as e:
-                log(f"{OVERHEAD_ROW}: FAILED: {_first_line(e)} (continuing)")
+                log(f"{OVERHEAD_ROW}: FAILED: {first_line(e)} (continuing)")
         else:
             log(f"{OVERHEAD_ROW}: skipped (no aotgrad strategy selected)")
     return RunResult(suite, tuple(names), tuple(messages), tuple(rows), tuple(overhead_rows),

@@ -36,7 +36,7 @@ from aotgrad.partition import PARTITIONERS
 from benchmarks.workloads import Workload, build
 
 __all__ = ["AOTGRAD_PREFIX", "BASE_STRATEGIES", "BuildSeconds", "CHECKPOINT_POLICIES", "Prepared",
-           "ProgramMemory", "SavedBytes", "available", "expand", "prepare"]
+           "ProgramMemory", "SavedBytes", "available", "expand", "first_line", "prepare"]
 
 AOTGRAD_PREFIX = "aotgrad:"
 BASE_STRATEGIES = ("fused", "jax_fwd_and_bwd")
@@ -269,9 +269,15 @@ def _jitted_step(w: Workload, notes: list[str]) -> Any:
         step = jax.jit(jax.value_and_grad(aotgrad.compile(w.loss_fn), argnums=0))
         return step.lower(w.params, w.batch).compile()
     except Exception as e:  # reported, not fatal: the split programs were measured
-        first = (str(e).splitlines() or [""])[0]
-        notes.append(f"the step in one jit could not be built: {type(e).__name__}: {first}")
+        notes.append(f"the step in one jit could not be built: {first_line(e)}")
         return None
+
+
+def first_line(e: BaseException) -> str:
+    """An exception as one short line, for notes and failed rows: its type and the first
+    line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _aotgrad(name: str, partitioner: str, w: Workload, memory: bool) -> Prepared:
