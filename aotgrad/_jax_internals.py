@@ -12,14 +12,23 @@
   callbacks, key wrapping), which the partitioner's rule table names (`primitives`);
 - re-opening the persistent compilation cache after its directory changed;
 - context states in JAX's jit cache key (as `jax.default_matmul_precision` is), so an
-  enclosing `jax.jit` retraces when aotgrad's program-changing state changes.
+  enclosing `jax.jit` retraces when aotgrad's program-changing state changes;
+- what differs between the supported JAX versions: how a scan equation's params describe
+  its operands (`scan_params`), whether a jaxpr param is closed (`open_jaxpr`; since jax
+  0.11 `ClosedJaxpr` is an alias of `Jaxpr`), and the primitives only some versions have
+  (`primitives.log2_p` etc. are None where absent).
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import types
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import jax.extend.core.primitives as P
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from jax._src import (callback, compilation_cache, debugging, ffi, linear_util, shard_map, source_info_util,
                       traceback_util)
@@ -30,8 +39,18 @@ from jax._src.lax import lax as _lax
 from jax._src.lax import linalg, parallel
 from jax._src.random import prng
 
-__all__ = ["ArrayImpl", "Tracer", "bind_eqn", "eqn_context", "jit_key_state", "name_scopes", "primitives",
-           "reset_compilation_cache", "source_line", "short_source_line", "wrap_like"]
+__all__ = ["JAX_VERSION", "MIN_JAX", "ArrayImpl", "ScanParams", "Tracer", "bind_eqn", "eqn_context",
+           "is_jaxpr", "jit_key_state", "name_scopes", "open_jaxpr", "primitives", "reset_compilation_cache", "scan_params",
+           "source_line", "short_source_line", "wrap_like"]
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:3] if part.isdigit())
+
+
+# The oldest JAX aotgrad supports (pyproject.toml's bound); newer releases are not refused.
+MIN_JAX = (0, 10, 0)
+JAX_VERSION = _version(jax.__version__)
 
 # Primitives missing from `jax.extend.core.primitives`, by their public names' spelling.
 primitives = types.SimpleNamespace(
@@ -43,6 +62,9 @@ primitives = types.SimpleNamespace(
     pure_callback_p=callback.pure_callback_p, io_callback_p=callback.io_callback_p,
     debug_callback_p=debugging.debug_callback_p,
     random_wrap_p=prng.random_wrap_p, random_unwrap_p=prng.random_unwrap_p,
+    # New in jax 0.11.2 (tanh's derivative; `jnp.log2`) and by 0.12 (`jnp.polyval`, erf's derivative).
+    one_minus_square_p=getattr(P, "one_minus_square_p", None), log2_p=getattr(P, "log2_p", None),
+    polynomial_p=getattr(P, "polynomial_p", None),
 )
 
 traceback_util.register_exclusion(os.path.dirname(__file__))
@@ -111,3 +133,52 @@ def jit_key_state(name: str, default: Any) -> Any:
     before hits its cache again."""
     return jax_config.config_ext.Config(name, default, include_in_jit_key=True,
                                         include_in_trace_context=True)
+
+
+def open_jaxpr(body: Any) -> tuple[Any, Sequence[Any]]:
+    """A jaxpr param as (open jaxpr, values of its constvars). Before jax 0.11 a param is a
+    `ClosedJaxpr` (`.jaxpr`, `.consts`) or an open `Jaxpr`; since, every `Jaxpr` carries its
+    consts (and `.jaxpr` is itself)."""
+    return getattr(body, "jaxpr", body), getattr(body, "consts", ())
+
+
+def is_jaxpr(value: Any) -> bool:
+    """Whether a param value is a jaxpr (closed or open) in any supported version."""
+    return isinstance(value, (ClosedJaxpr, Jaxpr))
+
+
+@dataclass(frozen=True)
+class ScanParams:
+    """A scan equation's operands and options, whatever the JAX version's params look like.
+    The operands are `consts + carry + xs`, the outputs `carry + ys`."""
+    body: Any  # the closed body jaxpr: (consts, carry, x) -> (carry, y)
+    n_consts: int
+    n_carry: int
+    n_xs: int
+    length: int
+    reverse: bool
+    unroll: int | bool
+    split_transpose: bool  # `lax.scan`'s `_split_transpose` (jax 0.10; absent since)
+
+    @property
+    def carries(self) -> slice:
+        return slice(self.n_consts, self.n_consts + self.n_carry)
+
+    @property
+    def scan_options(self) -> dict[str, Any]:
+        """Keyword arguments for `jax.lax.scan` that rebuild this scan's options."""
+        return dict(reverse=self.reverse, unroll=self.unroll, _split_transpose=self.split_transpose)
+
+
+def scan_params(eqn: Any) -> ScanParams:
+    """Reads a `scan` equation. jax 0.10 counts its operands (`num_consts`, `num_carry`);
+    since jax 0.11 they are the three parts of a flat tree (`ft_in`)."""
+    p = eqn.params
+    if "num_consts" in p:
+        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        n_xs = len(eqn.invars) - n_consts - n_carry
+    else:
+        n_consts, n_carry, n_xs = (len(part) for part in p["ft_in"].unpack())
+    return ScanParams(body=p["jaxpr"], n_consts=n_consts, n_carry=n_carry, n_xs=n_xs, length=p["length"],
+                      reverse=p["reverse"], unroll=p["unroll"],
+                      split_transpose=bool(p.get("_split_transpose", False)))

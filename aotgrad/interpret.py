@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence
 
 import jax.extend.core.primitives as P
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
-from aotgrad._jax_internals import bind_eqn, eqn_context
+from aotgrad._jax_internals import bind_eqn, eqn_context, is_jaxpr, open_jaxpr
 
 __all__ = ["CALL_BODIES", "INLINE_RULES", "Rule", "body_of", "eval_jaxpr", "read", "sub_jaxprs"]
 
@@ -65,10 +65,8 @@ def sub_jaxprs(eqn: Any, skip: frozenset[str] = frozenset()) -> list[Jaxpr]:
         if name in skip:
             continue
         for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, Jaxpr):
-                found.append(item)
+            if is_jaxpr(item):
+                found.append(open_jaxpr(item)[0])
     return found
 
 
@@ -78,8 +76,7 @@ CALL_BODIES: dict[Any, str] = {P.jit_p: "jaxpr", P.closed_call_p: "call_jaxpr", 
 
 def body_of(eqn: JaxprEqn, param: str) -> tuple[Jaxpr, Sequence[Any]]:
     """The body jaxpr held in `eqn.params[param]`, and its consts."""
-    body = eqn.params[param]
-    return (body.jaxpr, body.consts) if isinstance(body, ClosedJaxpr) else (body, ())
+    return open_jaxpr(eqn.params[param])
 
 
 # Calls whose bodies are evaluated in place, so the partitioner sees every primitive. The

@@ -10,6 +10,7 @@ from aotgrad._jax_internals import source_line
 from aotgrad.api import AOTFunction, Lowered, argnum_positions, check_argnums
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.partition.costs import nbytes as _nbytes
+from aotgrad.partition.rules import FALLBACK, without_rule
 from aotgrad.partition.scan import segment_schedules
 from aotgrad.provenance import BackwardCost, backward_costs
 from aotgrad.runtime import ProgramPair, Timings
@@ -82,6 +83,9 @@ class Report:
     # Scans whose carry is saved every k-th iteration, e.g. "carry saved every 3 of 12
     # iterations" (`partition/scan.py`), in program order.
     scan_segments: tuple[str, ...] = ()
+    # (primitive, the rule it fell back to) for primitives of the joint graph that have no
+    # recompute rule (`partition/rules.py`), e.g. a library's own primitive.
+    fallback_rules: tuple[tuple[str, str], ...] = ()
 
     def __str__(self) -> str:
         rows = [("#", "shape", "dtype", "bytes", "kind", "produced by", "source", "why")]
@@ -94,6 +98,8 @@ class Report:
                      f"{_mb(self.saved_input_bytes)} in {sum(s.is_input for s in self.saved)} arrays")
         recomputed = ", ".join(f"{p} x{n}" for p, n in self.recomputed) or "nothing"
         lines.append(f"recomputed in the backward: {recomputed}")
+        for name, kind in self.fallback_rules:
+            lines.append(f"no recompute rule for {name!r}: treated as {kind!r}")
         for schedule in self.scan_segments:
             lines.append(f"scan: {schedule}, one segment recomputed at a time")
         if self.recompute_groups:
@@ -189,4 +195,5 @@ def _report(f: AOTFunction, call: Any, paths: list[str], pair: ProgramPair, timi
         saved_input_bytes=sum(s.nbytes for s in saved if s.is_input),
         recomputed=sp.recomputed, recompute_groups=sp.recompute_groups,
         scan_segments=segment_schedules(sp.forward.jaxpr), timings=timings, casts=pair.casts, memory=memory,
+        fallback_rules=tuple((name, FALLBACK.value) for name in without_rule([pair.graph.closed.jaxpr])),
         backward_by_op=backward_costs(sp.backward.jaxpr, len(pair.graph.cotangents)) if costs else None)

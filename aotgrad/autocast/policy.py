@@ -12,6 +12,12 @@ A rule is a policy name, or a function of the equation's params returning a poli
 Eligible: float16, bfloat16 and float32 values. float64, integers, booleans, complex
 numbers and PRNG keys are never cast.
 
+Every other primitive is declared dtype-neutral (`NEUTRAL`): it runs in its inputs' type
+(promoted if they disagree) under every table. Each primitive a supported JAX version
+exports is in a table or in `NEUTRAL`, never silently in neither (a test enforces it):
+a new primitive is placed as PyTorch places the op it corresponds to (`log2` is fp32,
+like `log`).
+
 Beside the tables, one rule applies under every table: a summing reduction (`ACCUMULATING`)
 whose input is still float16 or bfloat16 after its policy accumulates in float32 and
 returns the 16-bit type (`accumulate_fp32`), as `jnp.sum` does.
@@ -22,9 +28,10 @@ from typing import Any, Callable, Mapping, Union
 
 import jax.extend.core.primitives as P
 
+from aotgrad._jax_internals import primitives as I
 from aotgrad.autocast.context import parse_device_type
 
-__all__ = ["ACCUMULATE_FP32", "ACCUMULATING", "FP32", "LOWER", "POLICIES", "PROMOTE", "TABLES", "Rule",
+__all__ = ["ACCUMULATE_FP32", "ACCUMULATING", "FP32", "LOWER", "NEUTRAL", "POLICIES", "PROMOTE", "TABLES", "Rule",
            "policy_for", "register", "table"]
 
 LOWER = "lower_precision_fp"
@@ -54,10 +61,11 @@ def _gpu_lists() -> dict[Any, Rule]:
     """PyTorch's CUDA lists; the tpu table starts from them too (XLA's lists are close)."""
     return {
         **_MATMULS,
-        **{p: FP32 for p in (P.exp_p, P.expm1_p, P.log_p, P.log1p_p, P.pow_p, P.rsqrt_p, P.acos_p, P.asin_p,
-                             P.cosh_p, P.sinh_p, P.tan_p, P.erf_inv_p,
+        **{p: FP32 for p in (P.exp_p, P.expm1_p, P.log_p, P.log1p_p, I.log2_p, P.pow_p, P.rsqrt_p, P.acos_p,
+                             P.asin_p, P.cosh_p, P.sinh_p, P.tan_p, P.erf_inv_p,
                              # fp32 accumulators: softmax, norms, losses, logsumexp are built from these
-                             P.reduce_sum_p, P.reduce_prod_p, P.cumsum_p, P.cumprod_p)},
+                             P.reduce_sum_p, P.reduce_prod_p, P.cumsum_p, P.cumprod_p)
+           if p is not None},  # (log2_p: jax >= 0.11.2)
         P.integer_pow_p: _reciprocal_pow,
         **_PROMOTE,
     }
@@ -69,6 +77,49 @@ _CPU: dict[Any, Rule] = {
                          P.triangular_solve_p, P.householder_product_p, P.reduce_prod_p)},
     **_PROMOTE,
 }
+
+def _present(*prims: Any) -> frozenset:
+    return frozenset(p for p in prims if p is not None)  # None: not in this JAX version
+
+
+# Primitives no built-in table lists: they run in their inputs' type (promoted if mixed).
+NEUTRAL = _present(
+    # exact or type-preserving: arithmetic, comparisons, bit and integer ops, selects
+    P.abs_p, P.add_p, P.add_jaxvals_p, P.sub_p, P.mul_p, P.div_p, P.rem_p, P.neg_p, P.sign_p, P.max_p,
+    P.min_p, P.clamp_p, P.floor_p, P.ceil_p, P.round_p, P.nextafter_p, P.square_p, P.sqrt_p, P.cbrt_p,
+    P.eq_p, P.ne_p, P.ge_p, P.gt_p, P.le_p, P.lt_p, P.eq_to_p, P.le_to_p, P.lt_to_p, P.is_finite_p,
+    P.and_p, P.or_p, P.not_p, P.xor_p, P.shift_left_p, P.shift_right_arithmetic_p, P.shift_right_logical_p,
+    P.clz_p, P.population_count_p, P.complex_p, P.conj_p, P.real_p, P.imag_p,
+    # pointwise math PyTorch's lists leave in the input's type
+    P.sin_p, P.cos_p, P.tanh_p, P.atan_p, P.asinh_p, P.acosh_p, P.atanh_p, P.exp2_p, P.logistic_p, P.erf_p,
+    P.erfc_p, P.lgamma_p, P.digamma_p, P.polygamma_p, P.igamma_p, P.igammac_p, P.igamma_grad_a_p,
+    P.bessel_i0e_p, P.bessel_i1e_p, P.zeta_p, P.regularized_incomplete_beta_p,
+    I.one_minus_square_p, I.polynomial_p,
+    # casts, shapes and data movement
+    P.convert_element_type_p, P.bitcast_convert_type_p, P.reduce_precision_p, P.copy_p, P.broadcast_in_dim_p,
+    P.reshape_p, P.squeeze_p, P.transpose_p, P.rev_p, P.pad_p, P.slice_p, P.dynamic_slice_p,
+    P.dynamic_update_slice_p, P.gather_p, P.iota_p, P.empty2_p, I.split_p, P.select_and_gather_add_p,
+    P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p, P.sharding_constraint_p, P.device_put_p,
+    P.stop_gradient_p, P.name_p, I.pvary_p,
+    # exact reductions and orderings
+    P.reduce_max_p, P.reduce_min_p, P.reduce_and_p, P.reduce_or_p, P.reduce_xor_p, P.argmax_p, P.argmin_p,
+    P.cummax_p, P.cummin_p, P.cumlogsumexp_p, P.reduce_p, P.reduce_window_p, P.reduce_window_sum_p,
+    P.reduce_window_max_p, P.reduce_window_min_p, P.select_and_scatter_p, P.select_and_scatter_add_p,
+    P.sort_p, P.top_k_p, P.approx_top_k_p,
+    # linear algebra no table lists (PyTorch has no autocast entry for them)
+    P.hessenberg_p, P.schur_p, P.tridiagonal_p, P.tridiagonal_solve_p, I.geqrf_p, I.lu_pivots_to_permutation_p,
+    # calls and control flow (their bodies are rewritten equation by equation)
+    P.jit_p, P.call_p, P.closed_call_p, P.custom_jvp_call_p, P.custom_vjp_call_p, P.custom_lin_p, P.remat_p,
+    P.scan_p, P.while_p, P.cond_p, P.linear_solve_p, I.shard_map_p,
+    # collectives, callbacks, tokens, state and random bits: values pass through unchanged
+    P.psum_p, P.pmax_p, P.pmin_p, P.all_gather_p, P.all_to_all_p, P.ragged_all_to_all_p, P.ppermute_p,
+    P.axis_index_p, I.reduce_scatter_p, I.pbroadcast_p, I.psum_invariant_p, I.all_gather_invariant_p,
+    I.ffi_call_p, I.pure_callback_p, I.io_callback_p, I.debug_callback_p, P.after_all_p, P.create_token_p,
+    P.get_p, P.swap_p, P.random_bits_p, P.random_seed_p, P.random_split_p, P.random_fold_in_p,
+    P.random_gamma_p, P.threefry2x32_p, P.rng_bit_generator_p, P.rng_uniform_p, I.random_wrap_p,
+    I.random_unwrap_p,
+)
+
 
 # The tables, public and extensible: see `register`. Each device type has its own table:
 # tpu starts from the gpu lists but does not follow later changes to gpu's (register a

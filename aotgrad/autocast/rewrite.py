@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
-from aotgrad._jax_internals import bind_eqn, eqn_context, name_scopes, wrap_like
+from aotgrad._jax_internals import bind_eqn, eqn_context, name_scopes, scan_params, wrap_like
 from aotgrad.autocast.context import _MARKERS, Setting, setting_of
 from aotgrad.autocast.policy import ACCUMULATE_FP32, ACCUMULATING, FP32, LOWER, POLICIES, PROMOTE, policy_for
 from aotgrad.interpret import CALL_BODIES, body_of, eval_jaxpr, sub_jaxprs
@@ -239,18 +239,18 @@ def _remat(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
 
 def _scan(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
           constant: Sequence[bool]) -> list:
-    p = eqn.params
-    nc, ncar = p["num_consts"], p["num_carry"]
-    consts, init, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
-    dtypes = [v.aval.dtype for v in eqn.invars[nc:nc + ncar]]
+    p = scan_params(eqn)
+    nc, ncar = p.n_consts, p.n_carry
+    consts, init, xs = invals[:nc], invals[p.carries], invals[nc + ncar:]
+    dtypes = [v.aval.dtype for v in eqn.invars[p.carries]]
 
     def step(carry: list, x: list) -> tuple[list, list]:
-        outs = rw.eval_closed(p["jaxpr"], [*consts, *carry, *x], setting)
+        outs = rw.eval_closed(p.body, [*consts, *carry, *x], setting)
         return [rw.restore(c, d) for c, d in zip(outs[:ncar], dtypes)], outs[ncar:]
 
     with eqn_context(eqn):
         carry, ys = lax.scan(step, [rw.restore(c, d) for c, d in zip(init, dtypes)], xs,
-                             length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+                             length=p.length, reverse=p.reverse, unroll=p.unroll)
     return [*carry, *ys]
 
 

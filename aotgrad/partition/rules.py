@@ -1,8 +1,10 @@
 """Which primitives may be recomputed in the backward, and at what kind of cost.
 
 One rule per primitive, keyed by the `Primitive` object (a misspelt entry fails at import);
-a primitive with no rule gets `COSTLY` (it is never recomputed unless a memory budget asks
-for it). Register your own with `register`.
+every primitive `jax.extend.core.primitives` exports on a supported JAX version has one (a
+test enforces it). A primitive met without a rule (a library's own) falls back to `COSTLY`
+(never recomputed unless a memory budget asks for it): a warning says so once per process,
+and `aotgrad.explain` lists it (`Report.fallback_rules`). Register your own with `register`.
 
 - CHEAP: fusible elementwise math, casts, shape changes, selects; recomputing them in a
   backward fusion costs little compute and no extra memory traffic.
@@ -32,7 +34,8 @@ kink anyway.
 from __future__ import annotations
 
 import enum
-from typing import Any
+import warnings
+from typing import Any, Iterable
 
 import jax.extend.core.primitives as P
 from jax.extend.core import Primitive
@@ -40,7 +43,7 @@ from jax.extend.core import Primitive
 from aotgrad._jax_internals import primitives as I
 from aotgrad.interpret import sub_jaxprs
 
-__all__ = ["FLOAT_EQUALITY", "Kind", "RULES", "kind_of", "register", "sub_jaxprs"]
+__all__ = ["FALLBACK", "FLOAT_EQUALITY", "Kind", "RULES", "kind_of", "register", "sub_jaxprs", "without_rule"]
 
 
 class Kind(enum.Enum):
@@ -69,7 +72,8 @@ _CHEAP = (
     P.stop_gradient_p, P.sub_p, P.tan_p, P.tanh_p, P.xor_p, P.sharding_constraint_p, I.pvary_p,
     P.name_p,
     P.igamma_p, P.igammac_p, P.igamma_grad_a_p, P.bessel_i0e_p, P.bessel_i1e_p, P.zeta_p,
-    P.regularized_incomplete_beta_p,
+    P.regularized_incomplete_beta_p, P.eq_to_p, P.le_to_p, P.lt_to_p, P.empty2_p,
+    I.one_minus_square_p, I.log2_p, I.polynomial_p,
 )
 _MOVE = (
     P.transpose_p, P.rev_p, P.concatenate_p, P.pad_p, P.gather_p, P.dynamic_slice_p,
@@ -79,21 +83,25 @@ _REDUCE = (
     P.reduce_sum_p, P.reduce_max_p, P.reduce_min_p, P.reduce_prod_p, P.reduce_and_p, P.reduce_or_p,
     P.reduce_xor_p, P.argmax_p, P.argmin_p, P.cumsum_p, P.cumprod_p, P.cummax_p, P.cummin_p,
     P.cumlogsumexp_p, P.reduce_window_sum_p, P.reduce_window_max_p, P.reduce_window_min_p, P.reduce_window_p,
+    P.reduce_p,
 )
+# Keyed, so recomputing reproduces the bits (`rng_uniform`, which is stateful, is UNSAFE).
 _RANDOM = (P.random_bits_p, P.random_seed_p, I.random_wrap_p, I.random_unwrap_p, P.random_fold_in_p,
-           P.random_split_p, P.threefry2x32_p)
+           P.random_split_p, P.threefry2x32_p, P.random_gamma_p, P.rng_bit_generator_p)
 _COSTLY = (
     P.dot_general_p, P.conv_general_dilated_p, P.sort_p, P.top_k_p, P.fft_p, P.cholesky_p, P.qr_p, P.svd_p,
     P.eig_p, P.eigh_p, P.lu_p, I.lu_pivots_to_permutation_p, P.triangular_solve_p,
     P.householder_product_p, I.geqrf_p, P.tridiagonal_p, P.tridiagonal_solve_p, P.schur_p,
     P.hessenberg_p, P.scan_p, P.while_p, P.cond_p, P.custom_lin_p,
     P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p,
-    P.select_and_scatter_add_p, P.select_and_scatter_p,
+    P.select_and_scatter_add_p, P.select_and_scatter_p, P.approx_top_k_p, P.linear_solve_p,
 )
 _UNSAFE = (
     P.psum_p, P.pmax_p, P.pmin_p, P.all_gather_p, P.all_to_all_p, P.ragged_all_to_all_p, P.ppermute_p,
     I.reduce_scatter_p, I.pbroadcast_p, I.psum_invariant_p, I.all_gather_invariant_p, P.axis_index_p,
     I.shard_map_p, I.ffi_call_p, I.pure_callback_p, I.io_callback_p, I.debug_callback_p, P.device_put_p,
+    # Tokens, mutable references and stateful random numbers: order and state matter.
+    P.after_all_p, P.create_token_p, P.get_p, P.swap_p, P.rng_uniform_p,
 )
 
 # Comparisons never recomputed on values widened from 16-bit floats (see the docstring).
@@ -108,6 +116,8 @@ RULES: dict[Primitive, Kind] = {}
 for _kind, _prims in ((Kind.CHEAP, _CHEAP), (Kind.MOVE, _MOVE), (Kind.REDUCE, _REDUCE),
                       (Kind.RANDOM, _RANDOM), (Kind.COSTLY, _COSTLY), (Kind.UNSAFE, _UNSAFE)):
     for _prim in _prims:
+        if _prim is None:  # not in this JAX version
+            continue
         assert isinstance(_prim, Primitive) and _prim not in RULES, _prim  # one rule per primitive
         RULES[_prim] = _kind
 
@@ -130,6 +140,34 @@ def register(primitive: Primitive, kind: Kind) -> None:
     RULES[primitive] = kind
 
 
+FALLBACK = Kind.COSTLY  # the rule of a primitive with none
+_WARNED: set[Primitive] = set()  # primitives already reported as falling back
+
+
+def without_rule(jaxprs: Iterable[Any]) -> tuple[str, ...]:
+    """Names of the primitives in `jaxprs` (and their bodies) that have no rule, sorted."""
+    found: set[str] = set()
+
+    def walk(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive not in RULES and eqn.primitive not in CALLS:
+                found.add(eqn.primitive.name)
+            for body in sub_jaxprs(eqn):
+                walk(body)
+    for jaxpr in jaxprs:
+        walk(jaxpr)
+    return tuple(sorted(found))
+
+
+def _fallback(primitive: Primitive) -> Kind:
+    if primitive not in _WARNED:
+        _WARNED.add(primitive)
+        warnings.warn(f"aotgrad: primitive {primitive.name!r} has no recompute rule; it is treated as "
+                      f"{FALLBACK.value!r} (never recomputed unless a memory budget asks). Set one with "
+                      f"aotgrad.partition.rules.register.", stacklevel=2)
+    return FALLBACK
+
+
 def kind_of(eqn: Any) -> Kind:
     """The rule for one equation. Equations with effects, and control flow whose body holds
     an unsafe equation (a collective inside a scan), are never recomputed; a call is
@@ -139,7 +177,7 @@ def kind_of(eqn: Any) -> Kind:
     if eqn.primitive in CALLS:
         return max((kind_of(e) for j in sub_jaxprs(eqn) for e in j.eqns), key=_ORDER.index,
                    default=Kind.CHEAP)
-    kind = RULES.get(eqn.primitive, Kind.COSTLY)
+    kind = RULES.get(eqn.primitive) or _fallback(eqn.primitive)
     if kind is Kind.COSTLY and any(kind_of(e) is Kind.UNSAFE for j in sub_jaxprs(eqn) for e in j.eqns):
         return Kind.UNSAFE
     return kind

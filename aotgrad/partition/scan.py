@@ -27,7 +27,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
-from aotgrad._jax_internals import bind_eqn, name_scopes
+from aotgrad._jax_internals import bind_eqn, name_scopes, scan_params
 from aotgrad.interpret import Rule, eval_jaxpr, sub_jaxprs
 from aotgrad.partition import costs
 from aotgrad.partition.budget import ScanSchedule, scan_schedule
@@ -50,12 +50,12 @@ def partition_scans(cut: BodyCut, budget: float) -> dict[Any, Rule]:
     rules: dict[Any, Rule] = {}
 
     def scan_rule(eqn: JaxprEqn, invals: list) -> list:
-        p = eqn.params
-        body: ClosedJaxpr = p["jaxpr"]
+        p = scan_params(eqn)
+        body: ClosedJaxpr = p.body
         if body.jaxpr.effects:  # a body with effects cannot be checkpointed: jax.vjp's residuals
             return bind_eqn(eqn, invals)
-        nc, ncar = p["num_consts"], p["num_carry"]
-        names, schedule = _cut_names(body, cut, budget, rules, p["length"], carries=slice(nc, nc + ncar))
+        nc, ncar = p.n_consts, p.n_carry
+        names, schedule = _cut_names(body, cut, budget, rules, p.length, carries=p.carries)
 
         policy = jax.checkpoint_policies.save_only_these_names(*names)
         step = jax.checkpoint(lambda *xs: _eval_named(body, xs, rules), policy=policy)
@@ -65,13 +65,13 @@ def partition_scans(cut: BodyCut, budget: float) -> dict[Any, Rule]:
             outs = step(*consts, *carry, *x)
             return outs[:ncar], outs[ncar:]
 
-        options = dict(reverse=p["reverse"], unroll=p["unroll"], _split_transpose=p.get("_split_transpose", False))
+        options = p.scan_options
         init, xs = list(invals[nc:nc + ncar]), list(invals[nc + ncar:])
         if schedule.every == 1:
-            carry, ys = jax.lax.scan(scan_body, init, xs, length=p["length"], **options)
+            carry, ys = jax.lax.scan(scan_body, init, xs, length=p.length, **options)
         else:
-            with jax.named_scope(SEGMENTS.format(every=schedule.every, length=p["length"])):
-                carry, ys = _segmented(scan_body, init, xs, p["length"], schedule.every, options)
+            with jax.named_scope(SEGMENTS.format(every=schedule.every, length=p.length)):
+                carry, ys = _segmented(scan_body, init, xs, p.length, schedule.every, options)
         return [*carry, *ys]
 
     rules[P.scan_p] = scan_rule
