@@ -11,6 +11,7 @@
     with aotgrad.autocast("gpu", dtype=jnp.bfloat16):   # per-op mixed precision
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
 """
+from aotgrad import _jax_internals  # noqa: F401 (first: refuses a JAX older than the supported one)
 from aotgrad import partition as partition
 from aotgrad.api import AOTFunction as AOTFunction
 from aotgrad.api import CacheInfo as CacheInfo

@@ -22,35 +22,43 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
-import jax.extend.core.primitives as P
-from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from jax._src import (callback, compilation_cache, debugging, ffi, linear_util, shard_map, source_info_util,
-                      traceback_util)
-from jax._src import config as jax_config
-from jax._src.array import ArrayImpl
-from jax._src.core import Tracer, pvary_p
-from jax._src.lax import lax as _lax
-from jax._src.lax import linalg, parallel
-from jax._src.random import prng
+
+def _version(text: str) -> tuple[int, ...]:
+    """``"0.12.0.1"`` -> (0, 12, 0); ``"0.13.0rc1"``, ``"0.13.0.dev20270101"`` -> (0, 13, 0)."""
+    return tuple(int(n) for n in re.findall(r"\d+", re.match(r"[\d.]*", text).group())[:3])
+
+
+# The oldest JAX aotgrad is tested on (pyproject.toml's bound). Newer releases than the newest
+# tested are not refused: a library that follows JAX closely should work on its release day.
+MIN_JAX = (0, 10, 2)
+JAX_VERSION = _version(jax.__version__)
+if JAX_VERSION < MIN_JAX:
+    raise ImportError(f"aotgrad needs jax >= {'.'.join(map(str, MIN_JAX))}; jax {jax.__version__} is installed "
+                      f"(from {os.path.dirname(jax.__file__)}). Upgrade it: pip install -U jax jaxlib")
+
+import jax.extend.core.primitives as P  # noqa: E402 (after the version check: older JAX may lack these)
+from jax.extend.core import ClosedJaxpr, Jaxpr  # noqa: E402
+
+from jax._src import (callback, compilation_cache, debugging, ffi, linear_util, shard_map,  # noqa: E402
+                      source_info_util, traceback_util)
+from jax._src import config as jax_config  # noqa: E402
+from jax._src.array import ArrayImpl  # noqa: E402
+from jax._src.core import Tracer, pvary_p  # noqa: E402
+from jax._src.lax import lax as _lax  # noqa: E402
+from jax._src.lax import linalg, parallel  # noqa: E402
+from jax._src.random import prng  # noqa: E402
 
 __all__ = ["JAX_VERSION", "MIN_JAX", "ArrayImpl", "ScanParams", "Tracer", "bind_eqn", "eqn_context",
            "is_jaxpr", "jit_key_state", "name_scopes", "open_jaxpr", "primitives", "reset_compilation_cache", "scan_params",
            "source_line", "short_source_line", "wrap_like"]
 
-
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(".")[:3] if part.isdigit())
-
-
-# The oldest JAX aotgrad supports (pyproject.toml's bound); newer releases are not refused.
-MIN_JAX = (0, 10, 0)
-JAX_VERSION = _version(jax.__version__)
 
 # Primitives missing from `jax.extend.core.primitives`, by their public names' spelling.
 primitives = types.SimpleNamespace(
