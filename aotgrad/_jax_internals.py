@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import types
@@ -56,7 +57,7 @@ from jax._src.lax import linalg, parallel  # noqa: E402
 from jax._src.random import prng  # noqa: E402
 
 __all__ = ["JAX_VERSION", "MIN_JAX", "ArrayImpl", "ScanParams", "Tracer", "bind_eqn", "eqn_context",
-           "is_jaxpr", "jit_key_state", "name_scopes", "open_jaxpr", "primitives", "reset_compilation_cache", "scan_params",
+           "is_jaxpr", "jax_primitives", "jit_key_state", "name_scopes", "open_jaxpr", "primitives", "reset_compilation_cache", "scan_params",
            "source_line", "short_source_line", "wrap_like"]
 
 
@@ -190,3 +191,25 @@ def scan_params(eqn: Any) -> ScanParams:
     return ScanParams(body=p["jaxpr"], n_consts=n_consts, n_carry=n_carry, n_xs=n_xs, length=p["length"],
                       reverse=p["reverse"], unroll=p["unroll"],
                       split_transpose=bool(p.get("_split_transpose", False)))
+
+
+@functools.cache
+def jax_primitives() -> dict[str, list[Any]]:
+    """Every primitive JAX defines at module level in its (loaded) internal modules, by name:
+    `jax.extend.core.primitives` exports only some (not `stack`, which a scan's residuals may
+    use, nor collectives' async halves). The public modules a program reaches are loaded
+    first. Names are not unique across modules, hence lists."""
+    import importlib
+    import sys
+    from jax.extend.core import Primitive
+    for name in ("jax.numpy", "jax.nn", "jax.random", "jax.lax", "jax.scipy.special", "jax.scipy.linalg",
+                 "jax.experimental.checkify", "jax.export"):
+        importlib.import_module(name)
+    found: dict[str, list[Any]] = {}
+    for module_name, module in sorted(sys.modules.items()):
+        if module is None or not module_name.startswith("jax._src"):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, Primitive) and all(value is not p for p in found.get(value.name, ())):
+                found.setdefault(value.name, []).append(value)
+    return found

@@ -14,6 +14,7 @@ from jax import lax
 import aotgrad
 from aotgrad.autocast import TABLES, current_setting
 from aotgrad.autocast.context import Setting, current_state
+from aotgrad._jax_internals import jax_primitives
 from aotgrad.autocast.policy import FP32, LOWER
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -137,6 +138,9 @@ CASES = {
     P.lu_p: lambda x: lax.linalg.lu(_spd(x))[0],
     P.triangular_solve_p: lambda x: lax.linalg.triangular_solve(_spd(x), x, left_side=True, lower=True),
 }
+_RAGGED_DOT = {prim for prim in jax_primitives().get("ragged_dot_general", ())}  # a grouped matmul
+for _prim in _RAGGED_DOT:
+    CASES[_prim] = lambda x: lax.ragged_dot(x, jnp.stack([x, x]), jnp.array([2, 2], jnp.int32))
 _LOG2 = getattr(P, "log2_p", None)  # jax >= 0.11.2 (before: `jnp.log2` is `log` then `div`)
 if _LOG2 is not None:
     CASES[_LOG2] = lambda x: jnp.log2(x + 2)
@@ -155,7 +159,7 @@ NO_CASE = {P.eig_p, P.householder_product_p, P.fft_p, P.select_n_p, P.concatenat
 # `geqrf` (reached through `qr`, which is listed) and 3-D pooling windows (no primitive of
 # their own in JAX).
 _GPU_LISTS = {
-    "lower_precision_fp": {P.dot_general_p, P.conv_general_dilated_p},
+    "lower_precision_fp": {P.dot_general_p, P.conv_general_dilated_p} | _RAGGED_DOT,
     "fp32": {P.exp_p, P.expm1_p, P.log_p, P.log1p_p, P.pow_p, P.rsqrt_p, P.acos_p, P.asin_p, P.cosh_p,
              P.sinh_p, P.tan_p, P.erf_inv_p, P.reduce_sum_p, P.reduce_prod_p, P.cumsum_p, P.cumprod_p}
             | ({_LOG2} if _LOG2 is not None else set()),
@@ -166,7 +170,7 @@ EXPECTED_TABLES = {
     "gpu": _GPU_LISTS,
     "tpu": _GPU_LISTS,
     "cpu": {
-        "lower_precision_fp": {P.dot_general_p, P.conv_general_dilated_p},
+        "lower_precision_fp": {P.dot_general_p, P.conv_general_dilated_p} | _RAGGED_DOT,
         "fp32": {P.fft_p, P.cholesky_p, P.qr_p, P.svd_p, P.eig_p, P.eigh_p, P.lu_p, P.triangular_solve_p,
                  P.householder_product_p, P.reduce_prod_p},
         "promote": {P.concatenate_p, P.scatter_p, P.scatter_add_p, P.select_n_p, P.atan2_p},

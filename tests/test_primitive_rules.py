@@ -1,10 +1,10 @@
 """No primitive is unknown by accident, on the installed JAX.
 
-- Every primitive `jax.extend.core.primitives` exports (and the few aotgrad names from JAX's
-  internals) has a recompute rule, and is either listed in an autocast table or declared
+- Every primitive `jax.extend.core.primitives` exports, and every other one JAX's modules
+  define (`stack`, async collectives, kernels), has a recompute rule, and is either listed in an autocast table or declared
   dtype-neutral (`aotgrad.autocast.policy.NEUTRAL`), never both.
-- The joint graphs (function and `jax.vjp`) of the test corpus, the fuzz grammar's
-  covering programs and the default benchmark suite's workloads hold no primitive without
+- The joint graphs (function and `jax.vjp`) of the test corpus, the scan programs, the fuzz
+  grammar's covering programs and the default benchmark suite's workloads hold no primitive without
   a rule: a failure names the primitive and the program.
 - A primitive met without a rule falls back to the conservative rule, and says so: once as
   a warning, and in `aotgrad.explain`'s report.
@@ -22,6 +22,7 @@ import pytest
 from jax.extend.core import Primitive
 
 import aotgrad
+from aotgrad._jax_internals import jax_primitives
 from aotgrad._jax_internals import primitives as internal
 from aotgrad.autocast.policy import NEUTRAL, TABLES
 from aotgrad.interpret import sub_jaxprs
@@ -31,17 +32,23 @@ from benchmarks import workloads
 try:
     from tests.corpus import PROGRAMS
     from tests.fuzz_grammar import covering_programs
+    from tests.test_scan_partition import PROGRAMS as SCAN_PROGRAMS
+    from tests.test_scan_partition import _params as scan_params
 except ImportError:
     from corpus import PROGRAMS
     from fuzz_grammar import covering_programs
+    from test_scan_partition import PROGRAMS as SCAN_PROGRAMS
+    from test_scan_partition import _params as scan_params
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _exported() -> list[Primitive]:
+    """`jax.extend.core.primitives`, then every other primitive JAX's modules define."""
     public = [getattr(P, n) for n in sorted(dir(P)) if isinstance(getattr(P, n), Primitive)]
-    extra = [p for _, p in sorted(vars(internal).items()) if p is not None and p not in public]
-    return public + extra
+    extra = [p for _, p in sorted(vars(internal).items()) if p is not None]
+    extra += [p for _, found in sorted(jax_primitives().items()) for p in found]
+    return public + [p for p in dict.fromkeys(extra) if p not in public]
 
 
 def _has_rule(p: Primitive) -> bool:
@@ -133,6 +140,12 @@ def test_corpus_joint_graphs_have_rules(program):
             full = [static.get(i, x) for i, x in enumerate(a)]
             return _f(*full, **kwargs)
     _check(program.name, _joint_primitives(fn, args, program.argnums))
+
+
+@pytest.mark.parametrize("fn", SCAN_PROGRAMS, ids=lambda f: f.__name__)
+def test_scan_program_joint_graphs_have_rules(fn):
+    """Scans stack their residuals (`stack`, which JAX does not export)."""
+    _check(fn.__name__, _joint_primitives(fn, (scan_params(),), 0))
 
 
 def test_fuzz_grammar_joint_graphs_have_rules():

@@ -125,6 +125,28 @@ def _close(a, b, tol=2e-5) -> None:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
+def _close_or_as_good_as_jax(fn, got, expected, tol=2e-5) -> None:
+    """`got` equals JAX's float32 result, or, where the two differ by float32 rounding (XLA
+    orders a reversed, unrolled scan's sums differently across versions), is at least as
+    close as JAX's to the float64 result of the same program."""
+    try:
+        _close(got, expected, tol)
+        return
+    except AssertionError:
+        reference = _reference64(fn)
+    for g, j, r in zip(*map(jax.tree.leaves, (got, expected, reference)), strict=True):
+        r = np.asarray(r)
+        error = lambda x: float(np.max(np.abs(np.asarray(x, np.float64) - r) / (np.abs(r) + 1)))  # noqa: E731
+        assert error(g) <= max(1.5 * error(j), tol), (error(g), error(j))
+
+
+@functools.cache
+def _reference64(fn) -> tuple:
+    with jax.enable_x64(True):
+        p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), _params())
+        return jax.device_get(jax.jit(jax.value_and_grad(fn))(p))
+
+
 @functools.cache
 def _expected(fn) -> tuple:
     """JAX's value and gradient of `fn` at `_params()`, once per program (every budget
@@ -139,8 +161,8 @@ def test_scan_programs_equal_jax(fn, budget: float) -> None:
     expected = _expected(fn)
     with aotgrad.config.patch(partitioner="min_cut", activation_memory_budget=budget):
         f = aotgrad.compile(fn)
-        _close(jax.value_and_grad(f)(p), expected)
-        _close(jax.jit(jax.value_and_grad(f))(p), expected)
+        _close_or_as_good_as_jax(fn, jax.value_and_grad(f)(p), expected)
+        _close_or_as_good_as_jax(fn, jax.jit(jax.value_and_grad(f))(p), expected)
 
 
 def _scan_eqns(closed) -> list:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, Union
 
 import jax.extend.core.primitives as P
 
+from aotgrad._jax_internals import jax_primitives
 from aotgrad._jax_internals import primitives as I
 from aotgrad.autocast.context import parse_device_type
 
@@ -55,7 +56,8 @@ def _reciprocal_pow(params: Mapping[str, Any]) -> str | None:
 
 # Mixed-input ops that PyTorch lists explicitly; every n-ary primitive is promoted anyway.
 _PROMOTE = {p: PROMOTE for p in (P.concatenate_p, P.scatter_p, P.scatter_add_p, P.select_n_p, P.atan2_p)}
-_MATMULS = {P.dot_general_p: LOWER, P.conv_general_dilated_p: LOWER}
+_MATMULS = {P.dot_general_p: LOWER, P.conv_general_dilated_p: LOWER,
+            **{p: LOWER for p in jax_primitives().get("ragged_dot_general", ())}}
 
 def _gpu_lists() -> dict[Any, Rule]:
     """PyTorch's CUDA lists; the tpu table starts from them too (XLA's lists are close)."""
@@ -119,6 +121,35 @@ NEUTRAL = _present(
     P.random_gamma_p, P.threefry2x32_p, P.rng_bit_generator_p, P.rng_uniform_p, I.random_wrap_p,
     I.random_unwrap_p,
 )
+
+
+# Primitives JAX does not export (`_jax_internals.jax_primitives`), by name: none changes its
+# inputs' precision (kernels such as attention and fp8 matmuls take the types they are given),
+# except `ragged_dot_general`, a grouped matmul (in `_MATMULS`).
+_NEUTRAL_BY_NAME = frozenset((
+    "zeros_like", "mulhi", "empty", "from_edtype", "to_edtype", "platform_index", "layout_constraint",
+    "reshard", "relayout", "dim_as_value", "dimension_size", "stack", "unstack", "tile", "philox2x32",
+    "philox4x32", "threefry4x32", "iota_2x32_shape", "random_clone", "scatter-sub", "scaled_dot",
+    "scaled_matmul", "scaled_matmul_wrapper", "dot_product_attention_fwd", "dot_product_attention_bwd",
+    "dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper", "dot_product_attention_fp8_fwd",
+    "dot_product_attention_fp8_bwd", "dot_product_attention_fp8_fwd_wrapper",
+    "dot_product_attention_fp8_bwd_wrapper", "cudnn_fusion", "cholesky_update", "geqp3", "ormqr",
+    "symmetric_product", "linear_call", "custom_partitioning", "custom_vmap_call", "call_exported",
+    "custom_jvp_call_jaxpr", "remat_opt", "call_hi_primitive", "call_hi_primitive_linearized",
+    "optimization_barrier", "composite", "eval_jaxpr", "core_map", "accum_grad_in_ref", "addupdate",
+    "broadcast_to", "create_linear", "empty_ref", "free_ref", "freeze", "new_ref", "pin", "unpin",
+    "with_memory_space_constraint", "run_state", "box_get", "box_set", "new_box", "log_extend", "log_read",
+    "new_log", "check", "debug_print", "inspect_sharding", "shape_assertion", "dce_sink", "stage", "tie",
+    "unreachable", "all_gather_start", "all_gather_done", "all_gather_reduced", "all_gather_reduced_start",
+    "all_to_all_start", "all_to_all_done", "ppermute_start", "ppermute_done", "psum_start", "psum_done",
+    "psum_invariant_start", "reduce_scatter_start", "reduce_scatter_done", "pbroadcast_start",
+    "pbroadcast_done", "pbroadcast_dynamic", "psend", "precv", "preduced", "unreduced_psum",
+    "unreduced_psum_start", "unreduced_pmax", "unreduced_pmin", "unreduced_reduce_scatter",
+    "unreduced_reduce_scatter_start", "reduced_vary_cast", "reduced_vary_cast_p", "vary_unreduced_cast",
+    "vary_unreduced_cast_p",
+))
+NEUTRAL = NEUTRAL | frozenset(p for name, found in jax_primitives().items() if name in _NEUTRAL_BY_NAME
+                              for p in found)
 
 
 # The tables, public and extensible: see `register`. Each device type has its own table:

@@ -40,6 +40,7 @@ from typing import Any, Iterable
 import jax.extend.core.primitives as P
 from jax.extend.core import Primitive
 
+from aotgrad._jax_internals import jax_primitives
 from aotgrad._jax_internals import primitives as I
 from aotgrad.interpret import sub_jaxprs
 
@@ -104,6 +105,37 @@ _UNSAFE = (
     P.after_all_p, P.create_token_p, P.get_p, P.swap_p, P.rng_uniform_p,
 )
 
+# Primitives JAX does not export, by name (`_jax_internals.jax_primitives`; names absent from
+# the installed version are skipped). Async halves of collectives, mutable state, effects
+# and barriers are UNSAFE; calls to kernels and custom lowerings are COSTLY.
+_BY_NAME: dict[str, Kind] = {
+    **dict.fromkeys(("zeros_like", "mulhi", "empty", "from_edtype", "to_edtype", "platform_index",
+                     "layout_constraint", "reshard", "dim_as_value", "dimension_size"), Kind.CHEAP),
+    **dict.fromkeys(("stack", "unstack", "tile", "relayout"), Kind.MOVE),
+    **dict.fromkeys(("philox2x32", "philox4x32", "threefry4x32", "iota_2x32_shape", "random_clone"), Kind.RANDOM),
+    **dict.fromkeys((
+        "scatter-sub", "ragged_dot_general", "scaled_dot", "scaled_matmul", "scaled_matmul_wrapper",
+        "dot_product_attention_fwd", "dot_product_attention_bwd", "dot_product_attention_fwd_wrapper",
+        "dot_product_attention_bwd_wrapper", "dot_product_attention_fp8_fwd", "dot_product_attention_fp8_bwd",
+        "dot_product_attention_fp8_fwd_wrapper", "dot_product_attention_fp8_bwd_wrapper", "cudnn_fusion",
+        "cholesky_update", "geqp3", "ormqr", "symmetric_product", "linear_call", "custom_partitioning",
+        "custom_vmap_call", "call_exported", "custom_jvp_call_jaxpr", "remat_opt", "call_hi_primitive",
+        "call_hi_primitive_linearized", "optimization_barrier", "composite", "eval_jaxpr", "core_map"),
+        Kind.COSTLY),
+    **dict.fromkeys((
+        "accum_grad_in_ref", "addupdate", "broadcast_to", "create_linear", "empty_ref", "free_ref", "freeze",
+        "new_ref", "pin", "unpin", "with_memory_space_constraint", "run_state", "box_get", "box_set", "new_box",
+        "log_extend", "log_read", "new_log", "check", "debug_print", "inspect_sharding", "shape_assertion",
+        "dce_sink", "stage", "tie", "unreachable",
+        "all_gather_start", "all_gather_done", "all_gather_reduced", "all_gather_reduced_start",
+        "all_to_all_start", "all_to_all_done", "ppermute_start", "ppermute_done", "psum_start", "psum_done",
+        "psum_invariant_start", "reduce_scatter_start", "reduce_scatter_done", "pbroadcast_start",
+        "pbroadcast_done", "pbroadcast_dynamic", "psend", "precv", "preduced", "unreduced_psum",
+        "unreduced_psum_start", "unreduced_pmax", "unreduced_pmin", "unreduced_reduce_scatter",
+        "unreduced_reduce_scatter_start", "reduced_vary_cast", "reduced_vary_cast_p", "vary_unreduced_cast",
+        "vary_unreduced_cast_p"), Kind.UNSAFE),
+}
+
 # Comparisons never recomputed on values widened from 16-bit floats (see the docstring).
 FLOAT_EQUALITY = frozenset({P.eq_p, P.ne_p})
 
@@ -120,6 +152,10 @@ for _kind, _prims in ((Kind.CHEAP, _CHEAP), (Kind.MOVE, _MOVE), (Kind.REDUCE, _R
             continue
         assert isinstance(_prim, Primitive) and _prim not in RULES, _prim  # one rule per primitive
         RULES[_prim] = _kind
+for _name, _found in jax_primitives().items():
+    for _prim in _found:
+        if _name in _BY_NAME and _prim not in RULES and _prim not in CALLS:
+            RULES[_prim] = _BY_NAME[_name]
 
 
 def register(primitive: Primitive, kind: Kind) -> None:
