@@ -150,7 +150,10 @@ class AOTFunction:
             a, k = self._spec.merge(static, dyn_args, dyn_kwargs)
             return self._fn(*a, **k)
 
-        fwd = trace_forward(flat_fn, self.name, tuple(map(jax.typeof, leaves)), key.autocast)
+        try:
+            fwd = trace_forward(flat_fn, self.name, tuple(map(jax.typeof, leaves)), key.autocast)
+        except (jax.errors.ConcretizationTypeError, TypeError) as e:
+            raise self._traced_scalar_error(e, in_tree, leaves) from e
         arg_positions = tuple(i for i in range(n_args) if i not in self._spec.static_argnums
                               and (i - n_args) not in self._spec.static_argnums)
         layout = ArgLayout(self.name, len(fwd.consts), in_tree, arg_positions, n_args,
@@ -172,6 +175,23 @@ class AOTFunction:
                         f"Set aotgrad.config.log_recompiles = True to see why calls miss the cache, "
                         f"or raise aotgrad.config.cache_size_limit.", stacklevel=5)
         return entry
+
+    def _traced_scalar_error(self, error: Exception, in_tree: Any, leaves: list) -> Exception:
+        """`error` itself, or, when the trace needed a concrete value and Python scalars were
+        traced (`jax.jit`'s rule), a TypeError that names them and `python_scalars`."""
+        concrete = isinstance(error, jax.errors.ConcretizationTypeError) or "concrete" in str(error)
+        paths = leaf_paths(self._spec, in_tree)
+        scalars = [f"{p} ({type(x).__name__} {x!r})" for p, x in zip(paths, leaves, strict=True)
+                   if isinstance(x, (bool, int, float, complex))]
+        if not (concrete and scalars):
+            return error
+        return TypeError(
+            f"aotgrad.compile({self.name}): tracing needed a concrete value, and these Python scalar "
+            f"arguments are traced (as jax.jit traces them): {', '.join(scalars)}. If one of them sets a "
+            f"shape, an axis or control flow, pass it as a static argument (static_argnums / "
+            f"static_argnames), or use aotgrad.compile(..., python_scalars=\"static\") to make every "
+            f"Python scalar static (as eqx.filter_jit does). JAX said: {type(error).__name__}: "
+            f"{str(error).splitlines()[0]}")
 
     def _note_identity_keys(self, key: CallKey, snapshot: Any) -> None:
         """Once per function, with `log_recompiles`: which static values are unhashable and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import jax
@@ -196,12 +197,33 @@ class ArgSpec:
 
     def flatten(self, dyn_args: tuple, dyn_kwargs: dict) -> tuple[list, Any]:
         """Flattens dynamic arguments into their traced leaves; every other leaf (functions,
-        strings, arbitrary objects) becomes a `Static` marker in the tree structure."""
+        strings, arbitrary objects) becomes a `Static` marker in the tree structure. Python
+        scalars inside an `equinox.Module` are static, as under `eqx.filter_jit`."""
         leaves, tree = tree_flatten((dyn_args, dyn_kwargs))
-        if all(map(self.traced, leaves)):
+        if all(type(x) is ArrayImpl or isinstance(x, _ARRAYS) for x in leaves):
             return leaves, tree
+        if self.python_scalars == "traced":
+            leaves, tree = tree_flatten(_module_scalars_static((dyn_args, dyn_kwargs)))
         marked = [x if self.traced(x) else Static(x) for x in leaves]
         return tree_flatten(tree_unflatten(tree, marked))
+
+
+def _module_scalars_static(tree: Any) -> Any:
+    """`tree` with every Python scalar inside an `equinox.Module` wrapped in `Static`: in
+    Equinox a module's int, float and bool fields are configuration (sizes, flags), static
+    under `eqx.filter_jit`. Nothing changes where Equinox is not imported."""
+    eqx = sys.modules.get("equinox")
+    if eqx is None:
+        return tree
+
+    def is_module(node: Any) -> bool:
+        return isinstance(node, eqx.Module)
+
+    def mark(node: Any) -> Any:
+        if not is_module(node):
+            return node
+        return jax.tree.map(lambda x: Static(x) if isinstance(x, _PY_SCALARS) else x, node)
+    return jax.tree.map(mark, tree, is_leaf=is_module)
 
 
 def _check_static_names(fn_name: str, params: list, positional: tuple[str, ...], nums: tuple,

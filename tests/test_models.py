@@ -127,3 +127,53 @@ def test_methods_bind_self():
     model = EqxScaled(w)
     _assert_trees_close(eqx.filter_grad(lambda m, x: m.loss(x))(model, X),
                         eqx.filter_grad(lambda m, x: jnp.sum(m.activation(x @ m.w)))(model, X))
+
+
+class _Reshaper(eqx.Module):
+    """An int field used as a shape and a bool used in control flow: configuration, static
+    under `eqx.filter_jit`."""
+    w: jax.Array
+    n: int = 4
+    negate: bool = False
+    name: str = "reshaper"
+
+    def __call__(self, x):
+        y = (x.reshape(self.n, -1) @ self.w).sum()
+        return -y if self.negate else y
+
+
+def _reshaper(**kw):
+    return _Reshaper(jnp.arange(6.0).reshape(2, 3) / 6, **kw)
+
+
+@pytest.mark.parametrize("outer", ["eager", "filter_jit"])
+def test_equinox_scalar_fields_are_static_by_default(outer):
+    """As under eqx.filter_jit: without it the int field is traced and reshape fails."""
+    compiled = aotgrad.compile(lambda m, x: m(x))
+    wrap = eqx.filter_jit if outer == "filter_jit" else (lambda f: f)
+    x = jnp.arange(8.0)
+    for kw in ({}, {"negate": True}, {"n": 2}):
+        m = _reshaper(**kw) if kw.get("n") != 2 else _Reshaper(jnp.ones((4, 3)), n=2)
+        got = wrap(eqx.filter_value_and_grad(compiled))(m, x)
+        want = eqx.filter_value_and_grad(lambda m, x: m(x))(m, x)
+        _assert_trees_close(got, want)
+
+
+def test_a_module_method_as_the_loss():
+    m = _reshaper(negate=True)
+    x = jnp.arange(8.0)
+    got = jax.grad(aotgrad.compile(lambda w, x: dataclasses.replace(m, w=w)(x)))(m.w, x)
+    _assert_trees_close(got, jax.grad(lambda w, x: dataclasses.replace(m, w=w)(x))(m.w, x))
+    compiled_method = aotgrad.compile(_Reshaper.__call__)
+    _assert_trees_close(eqx.filter_grad(compiled_method)(m, x), eqx.filter_grad(_Reshaper.__call__)(m, x))
+
+
+def test_plain_python_scalars_keep_jax_jit_rule_and_the_error_names_them():
+    def f(x, n, flag):
+        y = x.reshape(n, -1).sum()
+        return y if flag else -y
+    with pytest.raises(TypeError, match=r"Python scalar arguments are traced .*: n \(int 4\), flag \(bool True\)"
+                                        r".*python_scalars=\"static\""):
+        jax.grad(aotgrad.compile(f))(jnp.ones(8), 4, True)
+    got = jax.grad(aotgrad.compile(f, static_argnums=(1, 2)))(jnp.ones(8), 4, False)
+    np.testing.assert_allclose(got, -jnp.ones(8))
