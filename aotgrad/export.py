@@ -31,7 +31,7 @@ from jax.sharding import SingleDeviceSharding
 from jax.tree_util import tree_leaves, tree_structure, tree_unflatten
 
 from aotgrad._jax_internals import Tracer
-from aotgrad.api import AOTFunction, CacheInfo, Lowered, _Call, argnum_positions
+from aotgrad.api import AOTFunction, CacheInfo, Lowered, _Call, argnum_positions, check_argnums
 from aotgrad.compilation_cache import ensure_compilation_cache
 from aotgrad.config import config
 from aotgrad.partition.costs import nbytes as _nbytes
@@ -114,8 +114,7 @@ def export(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
                           f"jax.ShapeDtypeStructs.")
     positions = None
     if argnums is not None:
-        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-        positions = argnum_positions(who, nums, len(args))
+        positions = argnum_positions(who, check_argnums(who, argnums), len(args))
     try:
         pair = entry.pair(entry.perturbed_for(positions), entry.default_has_ct())
     except Exception as e:
@@ -456,8 +455,8 @@ class Exported(AOTFunction):
         """The report made when it was exported (saved values with their source lines,
         recomputed primitives, casts), with XLA's memory analysis of the loaded programs."""
         if argnums is not None:
-            nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-            positions = argnum_positions(f"aotgrad.explain({self.name})", nums, len(args))
+            who = f"aotgrad.explain({self.name})"
+            positions = argnum_positions(who, check_argnums(who, argnums), len(args))
             asked = self._entry.perturbed_for(positions)
             if asked != self._entry.exported_perturbed:
                 raise ExportError(f"aotgrad.explain({self.name}): argnums={argnums} differentiates other "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import aotgrad
@@ -39,12 +40,22 @@ def test_static_argnums_and_argnames_are_checked_at_decoration():
     aotgrad.compile(lambda *args, **kw: args[0], static_argnums=3, static_argnames="anything")
 
 
-@pytest.mark.parametrize("who", ["fwd_and_bwd", "explain"])
+def _with_argnums(who, f, w, argnums):
+    if who == "fwd_and_bwd":
+        fwd, bwd = aotgrad.fwd_and_bwd(f, argnums=argnums)
+        out, saved = fwd(w, w)
+        return bwd(saved, jnp.ones_like(out))
+    if who == "explain":
+        return aotgrad.explain(f, w, w, argnums=argnums)
+    return aotgrad.export(f, w, w, argnums=argnums)
+
+
+@pytest.mark.parametrize("who", ["fwd_and_bwd", "explain", "export"])
 def test_argnums_of_the_wrong_type_says_what_it_takes(who):
     f = aotgrad.compile(lambda w, x: jnp.sum(w * x))
     w = jnp.ones(3)
-    with pytest.raises(TypeError, match=r"argnums takes an int or a sequence of ints .*got 'w'"):
-        if who == "fwd_and_bwd":
-            aotgrad.fwd_and_bwd(f, argnums="w")
-        else:
-            aotgrad.explain(f, w, w, argnums="w")
+    for bad in ("w", 1.0, True, [0, "a"]):
+        with pytest.raises(TypeError, match=r"argnums takes an int or a sequence of ints .*got "):
+            _with_argnums(who, f, w, bad)
+    for good in (np.int64(0), [np.int32(0), 1], (0,)):  # Python and NumPy ints, and sequences of them
+        _with_argnums(who, f, w, good)
