@@ -15,7 +15,10 @@ Waiting cannot form a cycle: that value is computed before C by equations that d
 read C's group (C is its first consumer). The group's members are contiguous in
 `recompute_late`'s order, ending just before C.
 
-How a group waits depends on the backend:
+How a group waits depends on the platform the program is lowered for (not the host's
+default backend: a step compiled for a GPU or TPU target on a CPU machine gets the GPU/TPU
+mechanism). Both are staged with `jax.lax.platform_dependent`, so lowering keeps only the
+one for its platform (the compiler never sees a conditional):
 - GPU and TPU keep `optimization_barrier` through scheduling (as `jax.checkpoint` relies
   on): the group's inputs pass through one barrier with the cotangent.
 - XLA:CPU removes barriers before it schedules, so there (with one device) the group's
@@ -111,22 +114,30 @@ def tie(groups: Sequence[Group], by_data: bool) -> Callable[[int, dict], None]:
         if group is None:
             return
         restore[group.stop] = {v: env[v] for v in group.inputs}
-        if by_data:
-            zero = _zero_from(env[group.after])
-            for v in group.inputs:
-                if _floating(v.aval):
-                    env[v] = env[v] - zero.astype(v.aval.dtype)
+        values, after = [env[v] for v in group.inputs], env[group.after]
+        if by_data:  # the data tie where the program is lowered for a CPU, else the barrier
+            tied = jax.lax.platform_dependent(values, after, cpu=_tie_by_data, default=_tie_by_barrier)
         else:
-            tied = jax.lax.optimization_barrier([env[v] for v in group.inputs] + [env[group.after]])
-            env.update(zip(group.inputs, tied))
+            tied = _tie_by_barrier(values, after)
+        env.update(zip(group.inputs, tied))
     return before
 
 
+def _tie_by_barrier(values: list, after: Any) -> list:
+    return list(jax.lax.optimization_barrier([*values, after])[:-1])
+
+
+def _tie_by_data(values: list, after: Any) -> list:
+    zero = _zero_from(after)
+    return [x - zero.astype(x.dtype) if _floating(x) else x for x in values]
+
+
 def tie_by_data() -> bool:
-    """Whether programs built now wait through data (XLA:CPU with one device) or through
-    barriers. With several devices the zero would be read across shards: every group
-    would add collectives, so there barriers are used, and XLA:CPU ignores them."""
-    return jax.default_backend() == "cpu" and jax.device_count() == 1
+    """Whether programs built now may wait through data where they are lowered for a CPU
+    (`tie` stages the choice per platform). With several devices the zero would be read
+    across shards: every group would add collectives, so there barriers are used, and
+    XLA:CPU ignores them."""
+    return jax.device_count() == 1
 
 
 def _zero_from(x: Any) -> Any:

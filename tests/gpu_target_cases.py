@@ -1,0 +1,78 @@
+"""A step compiled for a compile-only NVIDIA H100 (XLA:GPU on a machine with no GPU).
+
+Run by `tests/test_gpu_target.py` in a process of its own, with ``JAX_PLATFORMS=cpu`` set
+before JAX is imported (the CUDA plugin is then loaded for its compiler only). Needs the
+plugin (`pip install -e '.[gpu-target]'`); without it every case is skipped.
+
+- aotgrad decides how recomputation waits for its cotangent from the platform the step is
+  lowered for, not the host: lowered for the H100, the backward holds barriers and none of
+  XLA:CPU's data ties; lowered for the host's CPU, the reverse.
+- The jitted step's peak on the H100 (XLA's `memory_analysis()`) is below the fused
+  `jax.jit(jax.value_and_grad)` step's at the default budget, and lower again at budget 0.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="the CUDA compiler plugin: pip install -e '.[gpu-target]'")
+
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+import aotgrad  # noqa: E402
+from benchmarks import workloads  # noqa: E402
+
+TARGET = pathlib.Path(__file__).resolve().parents[2] / "shared" / "targets" / "h100.txtpb"
+SIZES = dict(batch=4, seq=128, d_model=128, heads=4, layers=2, vocab=256)  # activations outweigh params
+
+
+@pytest.fixture(scope="module")
+def h100_args():
+    if not TARGET.exists():
+        pytest.skip(f"no target description at {TARGET}")
+    topo = topologies.get_topology_desc(platform="cuda", target_config=TARGET.read_text(), topology="1x1x1")
+    mesh = topologies.make_mesh(topo, (1,), ("data",))
+    w = workloads.build("gpt", "gpt", SIZES)
+
+    def spec(a):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+    return w, jax.tree.map(spec, (w.params, w.batch))
+
+
+def _step(w, budget=None):
+    if budget is None:
+        return jax.jit(jax.value_and_grad(w.loss_fn))
+    with aotgrad.config.patch(activation_memory_budget=budget):
+        return jax.jit(jax.value_and_grad(aotgrad.compile(w.loss_fn)))
+
+
+def _lowered_text(w, args, budget):
+    with aotgrad.config.patch(activation_memory_budget=budget):
+        return _step(w, budget).lower(*args).as_text()
+
+
+def _peak(w, args, budget=None):
+    with aotgrad.config.patch(activation_memory_budget=1.0 if budget is None else budget):
+        m = _step(w, budget).lower(*args).compile().memory_analysis()
+    return m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+
+
+def test_the_h100_step_waits_through_barriers_the_host_step_through_data(h100_args):
+    w, args = h100_args
+    gpu = _lowered_text(w, args, 1.0)
+    assert gpu.count("optimization_barrier") > 0 and gpu.count("bitcast_convert") == 0
+    cpu = _lowered_text(w, (w.params, w.batch), 1.0)
+    assert cpu.count("optimization_barrier") == 0 and cpu.count("bitcast_convert") > 0
+
+
+def test_the_h100_step_peak_is_below_the_fused_step(h100_args):
+    w, args = h100_args
+    fused, default, zero = _peak(w, args), _peak(w, args, 1.0), _peak(w, args, 0.0)
+    assert default < fused, (default, fused)
+    assert zero < default, (zero, default)
