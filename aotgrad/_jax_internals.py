@@ -57,7 +57,7 @@ from jax._src.lax import linalg, parallel  # noqa: E402
 from jax._src.random import prng  # noqa: E402
 
 __all__ = ["JAX_VERSION", "MIN_JAX", "ArrayImpl", "ScanParams", "Tracer", "bind_eqn", "eqn_context",
-           "is_jaxpr", "jax_primitives", "jit_key_state", "name_scopes", "open_jaxpr", "primitives", "reset_compilation_cache", "scan_params",
+           "hlo_cost", "is_jaxpr", "jax_primitives", "jit_key_state", "name_scopes", "open_jaxpr", "primitives", "reset_compilation_cache", "scan_params",
            "source_line", "short_source_line", "wrap_like"]
 
 
@@ -213,3 +213,21 @@ def jax_primitives() -> dict[str, list[Any]]:
             if isinstance(value, Primitive) and all(value is not p for p in found.get(value.name, ())):
                 found.setdefault(value.name, []).append(value)
     return found
+
+
+def hlo_cost(compiled: Any) -> dict[str, float]:
+    """XLA's HLO cost analysis of a compiled executable ("flops", "bytes accessed", ...).
+    A compile-only GPU executable has no `cost_analysis()`: its optimized module is analysed
+    with the host's CPU backend's generic cost model instead. {} where neither works."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    if cost:
+        return dict(cost)
+    try:
+        from jax._src import xla_bridge
+        from jax._src.lib import _jax
+        module = compiled.runtime_executable().hlo_modules()[0]
+        return dict(_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module))
+    except Exception:  # noqa: BLE001 (an executable with no module, a jaxlib without the call)
+        return {}

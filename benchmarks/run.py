@@ -45,6 +45,12 @@ flags.DEFINE_list("strategies", None, "Only these strategies, e.g. 'fused,aotgra
 flags.DEFINE_integer("repeats", None, "Interleaved timing rounds per workload (overrides the suite).")
 flags.DEFINE_string("out", DEFAULT_OUT, "Where to write the JSON results.")
 flags.DEFINE_string("plot", None, "Write a PNG plot (step peak memory vs step time) here; needs matplotlib.")
+flags.DEFINE_string("target", None, "Compile every strategy for a compile-only accelerator instead of running "
+                    "on this machine: 'h100' (needs the gpu-target extra) or 'tpu-v5e' (needs jax[tpu]); "
+                    "prints per-device peak, bytes accessed, FLOPs and compile time.")
+flags.DEFINE_integer("devices", 1, "With --target: devices of the target's topology.")
+flags.DEFINE_enum("sharding", "dp", ["dp", "fsdp"], "With --target and --devices > 1: data parallel (params "
+                  "replicated) or FSDP (params sharded too).")
 flags.DEFINE_bool("peers", False, "Include the PyTorch peers (torch_eager, torch_aot_min_cut) when "
                   "torch is importable.")
 
@@ -318,6 +324,8 @@ def main(argv: Sequence[str]) -> int:
     except suite_mod.SuiteError as e:
         log(f"error: {e}")
         return 2
+    if FLAGS.target:
+        return _run_target(suite)
     if FLAGS.repeats is not None and FLAGS.repeats < 1:
         log("error: --repeats must be >= 1")
         return 2
@@ -330,6 +338,29 @@ def main(argv: Sequence[str]) -> int:
     log(f"wrote {out}")
     if FLAGS.plot:
         log(report.plot(FLAGS.plot, result.rows))
+    return 0
+
+
+def _run_target(suite: suite_mod.Suite) -> int:
+    from benchmarks import targets
+    targets.use_cpu_for_arrays()
+    specs = [w for w in suite.workloads if not FLAGS.workloads
+             or any(fnmatch.fnmatch(w.name, p) for p in FLAGS.workloads)]
+    strategies = targets.target_strategies()
+    if FLAGS.strategies:
+        strategies = [s for s in strategies if any(fnmatch.fnmatch(s, p) for p in FLAGS.strategies)]
+    try:
+        rows = targets.run_target(FLAGS.target, [(w.name, w.kind, w.sizes) for w in specs],
+                                  devices=FLAGS.devices, sharding=FLAGS.sharding, strategies=strategies, log=log)
+    except (RuntimeError, ValueError) as e:
+        log(f"error: {e}")
+        return 2
+    header = (f"aotgrad compile-only target {FLAGS.target} x{FLAGS.devices} ({FLAGS.sharding}) - "
+              f"{time.strftime('%Y-%m-%d')} - jax {jax.__version__} - suite {FLAGS.suite}; per device; "
+              f"act = peak minus params and batch")
+    print(targets.format_rows(rows, header), flush=True)
+    if FLAGS.plot:
+        log(targets.plot(FLAGS.plot, rows))
     return 0
 
 

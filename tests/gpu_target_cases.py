@@ -76,3 +76,17 @@ def test_the_h100_step_peak_is_below_the_fused_step(h100_args):
     fused, default, zero = _peak(w, args), _peak(w, args, 1.0), _peak(w, args, 0.0)
     assert default < fused, (default, fused)
     assert zero < default, (zero, default)
+
+
+def test_the_target_benchmark_reports_xla_numbers_for_every_strategy():
+    """`python -m benchmarks.run --target h100`'s rows: XLA's peak, bytes accessed and FLOPs
+    for each strategy; jax.checkpoint(nothing_saveable) recomputes, so it does more FLOPs."""
+    from benchmarks import targets
+    strategies = ["fused", "checkpoint:nothing_saveable", "aotgrad:min_cut@1"]
+    rows = targets.run_target("h100", [("mlp", "mlp", dict(batch=64, width=128, depth=3))],
+                              strategies=strategies, log=lambda _: None)
+    assert [r.strategy for r in rows] == strategies and not any(r.error for r in rows)
+    assert all(r.peak and r.activation_peak and r.bytes_accessed and r.flops for r in rows)
+    by = {r.strategy: r for r in rows}
+    assert by["checkpoint:nothing_saveable"].flops > by["fused"].flops
+    assert "aotgrad:min_cut@1" in targets.format_rows(rows, "h100")

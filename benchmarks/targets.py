@@ -1,0 +1,228 @@
+"""Compile-only targets: every strategy's jitted training step compiled for a GPU or TPU the
+machine does not have, and XLA's own numbers for it.
+
+`python -m benchmarks.run --target h100` (also `tpu-v5e`; `--devices 8 --sharding dp|fsdp`)
+compiles `jax.jit(jax.value_and_grad(loss))` for each strategy (fused, `jax.checkpoint` on
+each layer under each policy, aotgrad at several budgets) against the target's topology, with
+the arguments placed on its mesh, and reports per device:
+- peak: XLA's `memory_analysis()` of the step (temp + arguments + outputs - aliased), and the
+  activation peak (that minus the parameters and the batch on one device);
+- bytes accessed and FLOPs from XLA's HLO cost analysis of the optimized module (what step
+  time followed on a real H100: ../shared/docs/gpu-targets.md);
+- compile time (trace, lower and compile, seconds).
+Nothing runs: the executables are for the target. The GPU needs the CUDA compiler plugin
+(`pip install -e '.[gpu-target]'`), the TPU `libtpu` (`jax[tpu]`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import pathlib
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+import aotgrad
+from aotgrad._jax_internals import hlo_cost
+from benchmarks.workloads import Workload, build
+
+__all__ = ["TARGETS", "TargetRow", "format_rows", "plot", "run_target", "target_strategies"]
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """How to get a compile-only topology for one accelerator."""
+    name: str
+    platform: str  # jax's platform name for topologies: "cuda" or "tpu"
+    install: str  # what provides its compiler
+    config_file: str | None = None  # a GpuTargetConfigProto in text form (GPU)
+    tpu_kind: str | None = None  # e.g. "v5e" (TPU)
+
+    def topology(self, devices: int) -> Any:
+        from jax.experimental import topologies
+        if self.platform == "cuda":
+            path = ROOT.parent / "shared" / "targets" / self.config_file
+            if not path.exists():
+                raise FileNotFoundError(f"target {self.name}: no target description at {path}")
+            return topologies.get_topology_desc(platform="cuda", target_config=path.read_text(),
+                                                topology=f"1x1x{devices}")
+        side = int(math.isqrt(devices))
+        if side * side != devices:
+            raise ValueError(f"target {self.name}: --devices must be a square number of chips (1, 4, 16...)")
+        return topologies.get_topology_desc(topology_name=f"{self.tpu_kind}:{side}x{side}", platform="tpu",
+                                            chips_per_host_bounds=(side, side, 1))
+
+
+TARGETS = {
+    "h100": Target("h100", "cuda", "pip install -e '.[gpu-target]'", config_file="h100.txtpb"),
+    "tpu-v5e": Target("tpu-v5e", "tpu", "pip install 'jax[tpu]'", tpu_kind="v5e"),
+}
+
+CHECKPOINT_POLICIES = ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveable")
+BUDGETS = (1.0, 0.5, 0.2, 0.0)
+
+
+def target_strategies(budgets: Sequence[float] = BUDGETS) -> list[str]:
+    return (["fused"] + [f"checkpoint:{p}" for p in CHECKPOINT_POLICIES]
+            + [f"aotgrad:min_cut@{b:g}" for b in budgets])
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetRow:
+    workload: str
+    strategy: str
+    peak: int | None  # bytes per device
+    activation_peak: int | None  # peak minus params and batch per device
+    bytes_accessed: float | None
+    flops: float | None
+    compile_seconds: float
+    error: str | None = None
+
+
+def _mesh(target: Target, devices: int) -> jax.sharding.Mesh:
+    from jax.experimental import topologies
+    return topologies.make_mesh(target.topology(devices), (devices,), ("data",))
+
+
+def _fsdp_spec(shape: tuple[int, ...], n: int) -> PartitionSpec:
+    """Shards a parameter's largest axis that the device count divides (replicated if none)."""
+    axes = sorted(range(len(shape)), key=lambda a: -shape[a])
+    for a in axes:
+        if shape[a] % n == 0 and shape[a] >= n:
+            return PartitionSpec(*[("data" if i == a else None) for i in range(len(shape))])
+    return PartitionSpec()
+
+
+def _specs(w: Workload, mesh: jax.sharding.Mesh, sharding: str) -> tuple[Any, Any]:
+    n = mesh.size
+
+    def batch_spec(x: Any) -> Any:
+        p = PartitionSpec("data") if n > 1 and x.shape and x.shape[0] % n == 0 else PartitionSpec()
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, p))
+
+    def param_spec(x: Any) -> Any:
+        p = _fsdp_spec(x.shape, n) if sharding == "fsdp" and n > 1 else PartitionSpec()
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, p))
+    return jax.tree.map(param_spec, w.params), jax.tree.map(batch_spec, w.batch)
+
+
+def _per_device_bytes(tree: Any) -> int:
+    total = 0
+    for s in jax.tree.leaves(tree):
+        shard = s.sharding.shard_shape(s.shape)
+        total += math.prod(shard) * s.dtype.itemsize
+    return total
+
+
+def _step(strategy: str, w: Workload) -> tuple[Callable[..., Any], Callable[[], Any]]:
+    """(the step to jit, a context to trace it under)."""
+    import contextlib
+    if strategy == "fused":
+        return jax.value_and_grad(w.loss_fn), contextlib.nullcontext
+    if strategy.startswith("checkpoint:"):
+        policy = getattr(jax.checkpoint_policies, strategy.split(":", 1)[1])
+        again = build(w.name, w.kind, w.sizes, remat=functools.partial(jax.checkpoint, policy=policy))
+        return jax.value_and_grad(again.loss_fn), contextlib.nullcontext
+    partitioner, _, budget = strategy.split(":", 1)[1].partition("@")
+    options = {"partitioner": partitioner, **({"activation_memory_budget": float(budget)} if budget else {})}
+    return jax.value_and_grad(aotgrad.compile(w.loss_fn)), lambda: aotgrad.config.patch(**options)
+
+
+def _measure(strategy: str, w: Workload, params: Any, batch: Any) -> TargetRow:
+    t0 = time.perf_counter()
+    try:
+        fn, context = _step(strategy, w)
+        with context():
+            compiled = jax.jit(fn).lower(params, batch).compile()
+    except Exception as e:  # a strategy that cannot be built for the target is a row that says why
+        return TargetRow(w.name, strategy, None, None, None, None, time.perf_counter() - t0,
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    seconds = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    peak = None if m is None else int(m.temp_size_in_bytes + m.argument_size_in_bytes
+                                      + m.output_size_in_bytes - m.alias_size_in_bytes)
+    cost = hlo_cost(compiled)
+    inputs = _per_device_bytes((params, batch))
+    return TargetRow(w.name, strategy, peak, None if peak is None else peak - inputs,
+                     cost.get("bytes accessed"), cost.get("flops"), seconds)
+
+
+def run_target(target_name: str, workloads: Sequence[tuple[str, str, dict]], *, devices: int = 1,
+               sharding: str = "dp", strategies: Sequence[str] | None = None,
+               log: Callable[[str], None] = print) -> list[TargetRow]:
+    """Compiles every strategy of every workload `(name, kind, sizes)` for the target."""
+    if target_name not in TARGETS:
+        raise ValueError(f"--target must be one of {sorted(TARGETS)}; got {target_name!r}")
+    if sharding not in ("dp", "fsdp"):
+        raise ValueError(f"--sharding must be 'dp' or 'fsdp'; got {sharding!r}")
+    target = TARGETS[target_name]
+    try:
+        mesh = _mesh(target, devices)
+    except (RuntimeError, ValueError, ImportError) as e:
+        raise RuntimeError(f"target {target_name}: no compile-only topology ({e}). Its compiler comes "
+                           f"from: {target.install}; set JAX_PLATFORMS=cpu.") from None
+    rows = []
+    for name, kind, sizes in workloads:
+        w = build(name, kind, sizes)
+        params, batch = _specs(w, mesh, sharding)
+        for strategy in strategies or target_strategies():
+            log(f"[{target_name} x{devices} {sharding}] {name} / {strategy}: compiling")
+            rows.append(_measure(strategy, w, params, batch))
+    return rows
+
+
+def format_rows(rows: Sequence[TargetRow], header: str) -> str:
+    lines = [header, "", f"{'workload':12s} {'strategy':42s} {'peak MB':>9s} {'act MB':>9s} {'vs fused':>8s} "
+                         f"{'GB moved':>9s} {'vs fused':>8s} {'GFLOP':>9s} {'compile s':>9s}"]
+    fused = {r.workload: r for r in rows if r.strategy == "fused"}
+    for r in rows:
+        base = fused.get(r.workload)
+        if r.error:
+            lines.append(f"{r.workload:12s} {r.strategy:42s} failed: {r.error}")
+            continue
+
+        def ratio(a: float | None, b: float | None) -> str:
+            return f"{a / b:.2f}x" if a is not None and b else "-"
+
+        def num(x: float | None, scale: float) -> str:
+            return "-" if x is None else f"{x / scale:.2f}"
+        lines.append(f"{r.workload:12s} {r.strategy:42s} {num(r.peak, 1e6):>9s} {num(r.activation_peak, 1e6):>9s} "
+                     f"{ratio(r.activation_peak, base and base.activation_peak):>8s} "
+                     f"{num(r.bytes_accessed, 1e9):>9s} {ratio(r.bytes_accessed, base and base.bytes_accessed):>8s} "
+                     f"{num(r.flops, 1e9):>9s} {r.compile_seconds:9.1f}")
+    return "\n".join(lines)
+
+
+def plot(path: str, rows: Sequence[TargetRow]) -> str:
+    """Activation peak against bytes accessed, one panel per workload: the Pareto picture (a
+    strategy is dominated when another is lower on both axes)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install -e '.[bench]')"
+    names = list(dict.fromkeys(r.workload for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        for r in rows:
+            if r.workload == name and r.activation_peak is not None and r.bytes_accessed is not None:
+                ax.scatter(r.bytes_accessed / 1e9, r.activation_peak / 1e6)
+                ax.annotate(r.strategy.replace("aotgrad:", "").replace("checkpoint:", "ckpt:"),
+                            (r.bytes_accessed / 1e9, r.activation_peak / 1e6), fontsize=7)
+        ax.set(title=name, xlabel="HLO bytes accessed (GB)", ylabel="activation peak per device (MB)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"wrote {path}"
+
+
+def use_cpu_for_arrays() -> None:
+    """With a compiler plugin installed and no accelerator, arrays must live on the CPU."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    jax.config.update("jax_platforms", "cpu")
