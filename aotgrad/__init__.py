@@ -23,8 +23,9 @@ from aotgrad.autocast import CastCounts as CastCounts
 from aotgrad.autocast import autocast as autocast
 from aotgrad.autocast import register as register_autocast_policy
 from aotgrad.autocast import table as autocast_policy_table
-from aotgrad.config import ConfigError as ConfigError
 from aotgrad.config import config as config
+from aotgrad.errors import BudgetUnreachable as BudgetUnreachable
+from aotgrad.errors import ConfigError as ConfigError
 from aotgrad.export import Exported as Exported
 from aotgrad.export import ExportError as ExportError
 from aotgrad.export import deserialize as deserialize
@@ -41,8 +42,10 @@ from aotgrad.report import explain as explain
 from aotgrad.runtime import Saved as Saved
 from aotgrad.runtime import Timings as Timings
 
-__all__ = ["AOTFunction", "CacheInfo", "CastCounts", "Compiled", "ConfigError", "DynamicLossScale", "Lowered",
-           "HookHandle", "Memory", "Report", "Saved", "SavedValue", "Timings", "all_finite", "autocast", "autocast_policy_table",
-           "compile", "config", "explain", "fwd_and_bwd", "grad_hook", "partition", "register_autocast_policy", "select_tree"]
+__all__ = ["AOTFunction", "BudgetUnreachable", "CacheInfo", "CastCounts", "Compiled", "ConfigError",
+           "DynamicLossScale", "ExportError", "Exported", "HookHandle", "Lowered", "Memory", "Report",
+           "Saved", "SavedValue", "Timings", "all_finite", "autocast", "autocast_policy_table", "compile",
+           "config", "deserialize", "explain", "export", "fwd_and_bwd", "grad_hook", "partition",
+           "register_autocast_policy", "select_tree"]
 
 __version__ = "0.1.0"

@@ -19,12 +19,10 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from aotgrad import jit_key
+from aotgrad.errors import ConfigError
+from aotgrad.partition.budget import Bytes, parse_bytes
 
 __all__ = ["Config", "ConfigError", "Snapshot", "config"]
-
-
-class ConfigError(ValueError):
-    """An unknown option or a value an option does not accept."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +54,30 @@ def _positive_int(name: str) -> Callable[[Any], int]:
     return parse
 
 
-def _fraction(name: str) -> Callable[[Any], float]:
-    def parse(value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-                or not 0.0 <= float(value) <= 1.0:
-            raise ConfigError(f"aotgrad.config.{name} must be a number in [0, 1]; got {value!r}.")
-        return float(value)
-    return parse
+def _budget(value: Any) -> float | Bytes:
+    """A fraction in [0, 1], or a byte size per device: an int above 1 or a string with a
+    unit ("12GB", "512 MiB", "1.5e9B"). 0 and 1 are fractions."""
+    name = "aotgrad.config.activation_memory_budget"
+    if isinstance(value, Bytes):
+        return value
+    if isinstance(value, (str, int, np.integer)) and not isinstance(value, bool) \
+            and not (isinstance(value, (int, np.integer)) and value in (0, 1)):
+        try:
+            return Bytes(parse_bytes(value))
+        except ValueError as e:
+            raise ConfigError(f"{name}: {e}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not 0.0 <= float(value) <= 1.0:
+        raise ConfigError(f"{name} must be a fraction in [0, 1] or a byte size per device (an int, "
+                          f"or a string such as '12GB' or '512MiB'); got {value!r}.")
+    return float(value)
+
+
+def _env_budget(text: str) -> Any:
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _bool(name: str) -> Callable[[Any], bool]:
@@ -149,10 +164,11 @@ def _partitioner_names() -> tuple[str, ...]:
 _OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("partitioner", "min_cut", _choice("partitioner", _partitioner_names), str,
            "Strategy that chooses which forward values the backward reads from memory.", keyed=True),
-    Option("activation_memory_budget", 1.0, _fraction("activation_memory_budget"), float,
+    Option("activation_memory_budget", 1.0, _budget, _env_budget,
            "Where in [0, 1] the min_cut partitioner's step peak may lie, between the lowest it "
            "estimates (0: matmuls recomputed, layer boundaries saved) and that of its "
-           "runtime-optimal set (1); it takes the cheapest cut within.",
+           "runtime-optimal set (1); it takes the cheapest cut within. Or a byte size (an int "
+           "above 1, or '12GB', '512MiB'): the cheapest cut whose estimated step peak fits.",
            keyed=True),
     Option("backward_pass_autocast", "same_as_forward", _backward_pass_autocast, _env_json_or_text,
            "Autocast context the backward program is built under: 'same_as_forward', 'off', "

@@ -21,6 +21,7 @@ from aotgrad import anomaly
 from aotgrad.autocast.backward import autocast_backward
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.config import Snapshot, config
+from aotgrad.errors import BudgetUnreachable
 from aotgrad.hooks import ArgLayout, Hooks, InForce, with_hooks
 from aotgrad.partition import JointGraph, Split, partition, scan_rules
 from aotgrad.signature import ArrayImpl
@@ -50,6 +51,24 @@ class Timings:
 
 def _sds(aval: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+def _other_scan_levels(unreachable: BudgetUnreachable, fwd: ForwardTrace, perturbed: tuple[bool, ...],
+                       has_ct: tuple[bool, ...], strategy: str, budget: Any) -> tuple[JointGraph, Split]:
+    """A byte budget no plan met with the scans cut at that budget: the scans took their
+    share before the rest of the step was planned. Each scan at its lowest, then at its
+    highest level, may still fit; else the error names the smallest peak of all three."""
+    smallest = unreachable.smallest
+    for level in (0.0, 1.0):
+        rules = scan_rules(strategy, level)
+        if rules is None:
+            break
+        graph = trace_joint(fwd, perturbed, has_ct, rules)
+        try:
+            return graph, partition(graph, strategy, budget)
+        except BudgetUnreachable as e:
+            smallest = min(smallest, e.smallest)
+    raise BudgetUnreachable(unreachable.budget, smallest) from None
 
 
 @dataclasses.dataclass(eq=False)
@@ -83,10 +102,13 @@ class ProgramPair:
     def build(cls, owner: str, fwd: ForwardTrace, perturbed: tuple[bool, ...],
               has_ct: tuple[bool, ...], options: Snapshot) -> "ProgramPair":
         t0 = time.perf_counter()
-        graph = trace_joint(fwd, perturbed, has_ct, scan_rules(options["partitioner"],
-                                                               options["activation_memory_budget"]))
+        strategy, budget = options["partitioner"], options["activation_memory_budget"]
+        graph = trace_joint(fwd, perturbed, has_ct, scan_rules(strategy, budget))
         t1 = time.perf_counter()
-        sp = partition(graph, options["partitioner"], options["activation_memory_budget"])
+        try:
+            sp = partition(graph, strategy, budget)
+        except BudgetUnreachable as e:
+            graph, sp = _other_scan_levels(e, fwd, perturbed, has_ct, strategy, budget)
         t2 = time.perf_counter()
         sp, casts = autocast_backward(sp, graph, fwd, options["backward_pass_autocast"])
         t3 = time.perf_counter()

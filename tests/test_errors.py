@@ -16,8 +16,8 @@ def test_fwd_and_bwd_argnums_naming_a_static_argument():
 
 
 @pytest.mark.parametrize("name, value, message", [
-    ("activation_memory_budget", 1.5, r"activation_memory_budget must be a number in \[0, 1\]; got 1.5"),
-    ("activation_memory_budget", "half", r"activation_memory_budget must be a number in \[0, 1\]"),
+    ("activation_memory_budget", 1.5, r"activation_memory_budget must be a fraction in \[0, 1\] or a byte size"),
+    ("activation_memory_budget", "half", r"activation_memory_budget: a byte size is a number with a unit"),
     ("donate_saved", 1, "donate_saved must be True or False; got 1"),
     ("detect_anomaly", "yes", "detect_anomaly must be True or False; got 'yes'"),
 ])

@@ -17,6 +17,10 @@ The candidates:
   until their turn. So the priced cuts are solved once more with the layer boundaries
   (`boundaries.py`) free to save, which lets the backward recompute one layer at a time.
 
+A budget in bytes (`Bytes`, "12GB") is the limit itself: the cheapest candidate whose
+estimated step peak is at most that many bytes; if none is, `BudgetUnreachable` names the
+lowest estimated peak.
+
 Only candidates that are cheaper to run than every candidate with a lower estimated peak,
 and save no fewer bytes, are kept (`choices`): the estimated peak, the saved bytes and the
 speed all rise with the budget.
@@ -29,11 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+import re
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 from jax.extend.core import Var
 
+from aotgrad.errors import BudgetUnreachable
 from aotgrad.partition.boundaries import boundaries
 from aotgrad.partition.peak import estimate
 from aotgrad.partition.rules import Kind
@@ -42,8 +48,45 @@ from aotgrad.partition.split import recompute_late
 if TYPE_CHECKING:  # min_cut imports scan, which imports scan_schedule from here
     from aotgrad.partition.min_cut import Cut, Problem
 
-__all__ = ["GREEDY_STEPS", "PRICES", "Choice", "ScanSchedule", "choices", "ladder", "scan_schedule",
-           "within_budget"]
+__all__ = ["GREEDY_STEPS", "PRICES", "Budget", "Bytes", "Choice", "ScanSchedule", "choices", "ladder",
+           "parse_bytes", "scan_schedule", "within_budget"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bytes:
+    """A budget in bytes: the step's estimated peak may be at most `n`."""
+    n: int
+
+    def __str__(self) -> str:
+        return f"{self.n:,} bytes"
+
+
+# A fraction in [0, 1] between the lowest and the runtime-optimal estimated peak, or bytes.
+Budget = Union[float, Bytes]
+
+_UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_bytes(value: int | str) -> int:
+    """A byte size: an int, or a number with a unit (B, KB, MB, GB, TB powers of 1000; KiB,
+    MiB, GiB, TiB powers of 1024; case-insensitive). It must come to a whole number of
+    bytes ("1.5GB" does, "1.0000000001KB" does not); ValueError says why not."""
+    if not isinstance(value, str):
+        if value < 0:
+            raise ValueError(f"a byte size must not be negative; got {value!r}.")
+        return int(value)
+    match = _SIZE.fullmatch(value)
+    unit = match and _UNITS.get((match.group(2) or "b").lower())
+    if not match or unit is None:
+        raise ValueError(f"a byte size is a number with a unit ({', '.join(['B', 'KB', 'MB', 'GB', 'TB', 'KiB', 'MiB', 'GiB', 'TiB'])}), "
+                         f"e.g. '12GB' or '512MiB'; got {value!r}.")
+    from fractions import Fraction
+    size = Fraction(match.group(1)) * unit
+    if size.denominator != 1:
+        raise ValueError(f"{value!r} is not a whole number of bytes ({float(size):,.3f}).")
+    return int(size)
 
 # Extra cost per saved byte, in the cost model's units (a byte moved costs 1 or 2).
 PRICES = tuple(2.0 ** k for k in range(-4, 13))
@@ -161,16 +204,27 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
     return kept + [full]
 
 
-def within_budget(problem: Problem, budget: float, stacked: bool = False) -> dict[Var, str]:
+def within_budget(problem: Problem, budget: Budget, stacked: bool = False) -> dict[Var, str]:
     """The cheapest candidate whose estimated step peak fits the budget: the limit is
     P0 + budget x (P1 - P0), P1 the full cut's estimated peak, P0 the lowest (saved
-    bytes for a scan body: `stacked`)."""
-    steps = choices(problem, stacked)
+    bytes for a scan body: `stacked`), or the budget itself if it is `Bytes`."""
     what = "saves" if stacked else "estimated step peak"
+    if isinstance(budget, Bytes) and not stacked:  # the runtime-optimal cut, if it fits
+        full = problem.full_cut()
+        peak = estimate(problem.graph, full.saved, recompute_late(problem.graph, full.backward_eqns)).step
+        if peak <= budget.n:
+            return full.reasons()  # the plan of budget 1
+    steps = choices(problem, stacked)
     low, high = steps[0].peak, steps[-1].peak
-    limit = low + budget * (high - low)
+    if isinstance(budget, Bytes):
+        if low > budget.n:
+            raise BudgetUnreachable(budget.n, low)
+        limit = float(budget.n)
+    else:
+        limit = low + budget * (high - low)
     best = [c for c in steps if c.peak <= limit][-1]
-    return best.cut.reasons(f"budget {budget:g}: {what} {best.peak:,} bytes, within "
+    label = budget if isinstance(budget, Bytes) else f"{budget:g}"
+    return best.cut.reasons(f"budget {label}: {what} {best.peak:,} bytes, within "
                             f"{limit:,.0f}; cheapest to keep", costly_banned=False)
 
 
@@ -183,7 +237,7 @@ class ScanSchedule:
 
 
 def scan_schedule(length: int, carry: int, per_iteration: tuple[int, int], sliced: int,
-                  budget: float) -> ScanSchedule:
+                  budget: Budget) -> ScanSchedule:
     """The schedule of a scan of `length` iterations at `budget`.
 
     `carry`: bytes of one iteration's carry; `per_iteration`: bytes one iteration saves
@@ -199,13 +253,16 @@ def scan_schedule(length: int, carry: int, per_iteration: tuple[int, int], slice
       so saved bytes and the peak both fall as the budget does.
 
     The budget spans these levels in bytes, as `within_budget` spans a ladder: the limit
-    is B0 + budget x (B1 - B0); every = 1 is preferred whenever it fits (no extra
+    is B0 + budget x (B1 - B0), or the budget itself if it is `Bytes`; every = 1 is preferred whenever it fits (no extra
     forward), else the smallest k that fits.
     """
     r0, r1 = per_iteration
 
     def peak(k: int) -> int:
         return length * r0 + 2 * sliced if k == 1 else math.ceil(length / k) * carry + k * (r0 + 2 * sliced)
+
+    def body_budget(limit: float) -> float:  # the body's own ladder, saving `limit` in all
+        return 1.0 if r1 <= r0 else min(max((limit / length - r0) / (r1 - r0), 0.0), 1.0)
 
     segments = [1]
     for k in range(2, length + 1):  # while the peak estimate falls, each new saved level
@@ -214,10 +271,11 @@ def scan_schedule(length: int, carry: int, per_iteration: tuple[int, int], slice
         if math.ceil(length / k) < math.ceil(length / segments[-1]):
             segments.append(k)
     if len(segments) == 1:  # segments would not lower the peak: the body's own ladder
-        return ScanSchedule(budget, 1)
+        return ScanSchedule(body_budget(budget.n) if isinstance(budget, Bytes) else budget, 1)
     b0 = math.ceil(length / segments[-1]) * carry
-    limit = b0 + budget * max(length * r1 - b0, 0)
+    limit = float(budget.n) if isinstance(budget, Bytes) else b0 + budget * max(length * r1 - b0, 0)
     if length * r0 <= limit:
-        body = 1.0 if r1 <= r0 else min(max((limit / length - r0) / (r1 - r0), 0.0), 1.0)
-        return ScanSchedule(body, 1)
-    return ScanSchedule(0.0, next(k for k in segments[1:] if math.ceil(length / k) * carry <= limit))
+        return ScanSchedule(body_budget(limit), 1)
+    # A byte budget below every level gets the lowest; the step's estimate then says so.
+    return ScanSchedule(0.0, next((k for k in segments[1:] if math.ceil(length / k) * carry <= limit),
+                                  segments[-1]))

@@ -21,6 +21,7 @@ from jax.extend.core import JaxprEqn, Var
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from aotgrad.partition import costs
+from aotgrad.partition.budget import Budget, Bytes
 from aotgrad.partition.graph import JointGraph, live_eqns
 from aotgrad.partition.rules import FLOAT_EQUALITY, Kind, kind_of
 from aotgrad.partition.scan import is_cut_scan
@@ -237,12 +238,12 @@ class Cut:
         return out
 
 
-def min_cut(graph: JointGraph, budget: float = 1.0, stacked: bool = False) -> dict[Var, str]:
+def min_cut(graph: JointGraph, budget: Budget = 1.0, stacked: bool = False) -> dict[Var, str]:
     """The "min_cut" strategy: the cheapest saved set in bytes moved; with a budget below
-    1, a lower step peak at the least recompute cost (see `budget.py`). `stacked`: the
-    graph is a scan body, whose saved set is held once per iteration."""
+    1 or in bytes, a lower step peak at the least recompute cost (see `budget.py`).
+    `stacked`: the graph is a scan body, whose saved set is held once per iteration."""
     problem = Problem.of(graph)
-    if budget >= 1.0:
+    if not isinstance(budget, Bytes) and budget >= 1.0:
         return problem.full_cut().reasons()
     from aotgrad.partition.budget import within_budget
     return within_budget(problem, budget, stacked)

@@ -30,7 +30,7 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 from aotgrad._jax_internals import bind_eqn, name_scopes, scan_params
 from aotgrad.interpret import Rule, eval_jaxpr, sub_jaxprs
 from aotgrad.partition import costs
-from aotgrad.partition.budget import ScanSchedule, scan_schedule
+from aotgrad.partition.budget import Budget, ScanSchedule, scan_schedule
 
 __all__ = ["BodyCut", "is_cut_scan", "partition_scans"]
 
@@ -44,7 +44,7 @@ SEGMENTS = _SCOPE + "carry saved every {every} of {length} iterations"
 _SEGMENTS_AT = SEGMENTS[:SEGMENTS.index("{")]
 
 
-def partition_scans(cut: BodyCut, budget: float) -> dict[Any, Rule]:
+def partition_scans(cut: BodyCut, budget: Budget) -> dict[Any, Rule]:
     """Evaluation rules (see `interpret.eval_jaxpr`) that re-bind every scan with its
     body cut by `cut` at `budget`; nested scans are cut the same way."""
     rules: dict[Any, Rule] = {}
@@ -124,7 +124,7 @@ def _nameable(eqn: JaxprEqn, v: Any) -> bool:
             and (jax.numpy.issubdtype(dtype, np.number) or jax.numpy.issubdtype(dtype, np.bool_)))
 
 
-def _cut_names(body: ClosedJaxpr, cut: BodyCut, budget: float, rules: dict, length: int,
+def _cut_names(body: ClosedJaxpr, cut: BodyCut, budget: Budget, rules: dict, length: int,
                carries: slice) -> tuple[tuple[str, ...], ScanSchedule]:
     """The scan's schedule at `budget`, and the names of the body values its cut saves
     per iteration. `carries`: the positions of the carries among the body's inputs."""
