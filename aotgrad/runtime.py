@@ -53,6 +53,16 @@ def _sds(aval: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
+def _placed_elsewhere(x: Any) -> bool:
+    """An array or ShapeDtypeStruct placed on several devices, or on a device this process
+    does not run (a compile-only target's)."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+        return False
+    devices = sharding.device_set
+    return len(devices) > 1 or not devices <= set(jax.devices())
+
+
 def _other_scan_levels(unreachable: BudgetUnreachable, fwd: ForwardTrace, perturbed: tuple[bool, ...],
                        has_ct: tuple[bool, ...], strategy: str, budget: Any) -> tuple[JointGraph, Split]:
     """A byte budget no plan met with the scans cut at that budget: the scans took their
@@ -141,8 +151,23 @@ class ProgramPair:
         ShapeDtypeStructs (shardings of arrays are kept)."""
         t0 = time.perf_counter()
         lowered_f = self.forward.lower(*inputs)
-        lowered_b = self.backward.lower(*[_sds(a) for a in self.split.backward.in_avals])
+        if not any(_placed_elsewhere(a) for a in inputs):
+            lowered_b = self.backward.lower(*[_sds(a) for a in self.split.backward.in_avals])
+        else:  # as it runs: saved values and cotangents sharded as the forward leaves them
+            lowered_b = self._lower_sharded_backward(lowered_f, inputs)
         return lowered_f, lowered_b, dataclasses.replace(self.timings, lower=time.perf_counter() - t0)
+
+    def _lower_sharded_backward(self, lowered_f: Any, inputs: Sequence[Any]) -> Any:
+        """The backward lowered for the shardings it runs with: the forward's outputs' (as
+        XLA compiles it) for activations and cotangents, the inputs' for saved inputs, and
+        the differentiated inputs' for the gradients. Then its memory analysis is per device."""
+        outs = lowered_f.compile().output_shardings
+        held = [*outs[self.n_outs:], *(inputs[i].sharding for i in self.split.saved_inputs)]
+        cts = [s for s, c in zip(outs[:self.n_outs], self.has_ct, strict=True) if c]
+        avals = self.split.backward.in_avals
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s, weak_type=getattr(a, "weak_type", False))
+                 for a, s in zip(avals, [*held, *cts], strict=True)]
+        return self.run_backward.program(self._grad_shardings(inputs)).lower(*specs)
 
     def dump(self, directory: str, tag: str) -> None:
         """Writes both programs' jaxprs and lowered text (config.debug_dir)."""

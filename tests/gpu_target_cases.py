@@ -90,3 +90,19 @@ def test_the_target_benchmark_reports_xla_numbers_for_every_strategy():
     by = {r.strategy: r for r in rows}
     assert by["checkpoint:nothing_saveable"].flops > by["fused"].flops
     assert "aotgrad:min_cut@1" in targets.format_rows(rows, "h100")
+
+
+def test_explain_reports_the_programs_compiled_for_the_target(h100_args):
+    """explain on arguments placed on the compile-only H100: both programs are compiled for
+    it (XLA:GPU's Triton GEMM fusions in the text, which XLA:CPU never emits), not for the host, and the backward's peak is
+    of the same order as JAX's own jitted gradient compiled for the H100."""
+    w, args = h100_args
+    f = aotgrad.compile(w.loss_fn)
+    compiled = f.lower(*args).compile()
+    for program in (compiled.forward, compiled.backward):
+        assert "triton" in program.as_text(), program.as_text()[:300]
+    assert "triton" not in aotgrad.compile(w.loss_fn).lower(w.params, w.batch).compile().backward.as_text()
+    m = aotgrad.explain(f, *args).memory
+    ref = jax.jit(jax.grad(w.loss_fn)).lower(*args).compile().memory_analysis()
+    fused = ref.temp_size_in_bytes + ref.argument_size_in_bytes + ref.output_size_in_bytes
+    assert 0.2 * fused < m.backward_peak < 1.5 * fused, (m, fused)
