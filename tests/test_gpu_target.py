@@ -3,7 +3,10 @@ run in a process of their own (JAX_PLATFORMS=cpu before JAX is imported). Withou
 compiler plugin (`pip install -e '.[gpu-target]'`) they are skipped; CI installs it."""
 from __future__ import annotations
 
+import importlib.util
 import os
+
+import pytest
 
 try:
     from tests.own_process import run_module
@@ -11,6 +14,14 @@ except ImportError:
     from own_process import run_module
 
 
+def _has_cuda_compiler() -> bool:
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins namespace at all
+        return False
+
+
+@pytest.mark.skipif(not _has_cuda_compiler(), reason="the CUDA compiler plugin: pip install -e '.[gpu-target]'")
 def test_gpu_target_cases():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
