@@ -12,7 +12,6 @@
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
 """
 from aotgrad import _jax_internals  # noqa: F401 (first: refuses a JAX older than the supported one)
-from aotgrad import partition as partition
 from aotgrad.api import AOTFunction as AOTFunction
 from aotgrad.api import CacheInfo as CacheInfo
 from aotgrad.api import Compiled as Compiled
@@ -35,6 +34,8 @@ from aotgrad.hooks import grad_hook as grad_hook
 from aotgrad.loss_scale import DynamicLossScale as DynamicLossScale
 from aotgrad.loss_scale import all_finite as all_finite
 from aotgrad.loss_scale import select_tree as select_tree
+from aotgrad.partition import partitioners as partitioners
+from aotgrad.partition import register_partitioner as register_partitioner
 from aotgrad.report import Memory as Memory
 from aotgrad.report import Report as Report
 from aotgrad.report import SavedValue as SavedValue
@@ -45,7 +46,7 @@ from aotgrad.runtime import Timings as Timings
 __all__ = ["AOTFunction", "BudgetUnreachable", "CacheInfo", "CastCounts", "Compiled", "ConfigError",
            "DynamicLossScale", "ExportError", "Exported", "HookHandle", "Lowered", "Memory", "Report",
            "Saved", "SavedValue", "Timings", "all_finite", "autocast", "autocast_policy_table", "compile",
-           "config", "deserialize", "explain", "export", "fwd_and_bwd", "grad_hook", "partition",
-           "register_autocast_policy", "select_tree"]
+           "config", "deserialize", "explain", "export", "fwd_and_bwd", "grad_hook", "partitioners",
+           "register_autocast_policy", "register_partitioner", "select_tree"]
 
 __version__ = "0.1.0"

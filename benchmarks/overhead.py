@@ -108,10 +108,9 @@ def format_rows(rows: Sequence[OverheadRow], spec: OverheadSpec) -> str:
 
 def main(argv: Sequence[str]) -> None:
     from absl import flags
-    from aotgrad.partition import PARTITIONERS
     del argv
     spec = OverheadSpec(size=flags.FLAGS.size, calls=flags.FLAGS.calls, repeats=flags.FLAGS.repeats)
-    print(format_rows(run_overhead(spec, list(PARTITIONERS)), spec))
+    print(format_rows(run_overhead(spec, list(aotgrad.partitioners())), spec))
 
 
 if __name__ == "__main__":

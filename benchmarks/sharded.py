@@ -79,7 +79,7 @@ def contenders(params: Any, data: Any) -> dict[str, tuple[Callable[[], Any], int
     leaves = [a for a, m in zip(jax.tree.leaves(residuals), _input_mask(params, data)) if not m]
     out["jax_fwd_and_bwd"] = (lambda: bwd(fwd(params, data)[1], ct), sum(a.nbytes for a in leaves),
                               _per_device(leaves))
-    for name in aotgrad.partition.PARTITIONERS:
+    for name in aotgrad.partitioners():
         with aotgrad.config.patch(partitioner=name):
             afwd, abwd = aotgrad.fwd_and_bwd(mlp_loss, argnums=0)
             _, saved = afwd(params, data)

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 from jax.extend.core import Var
 
 import aotgrad
-from aotgrad.partition import PARTITIONERS
 from benchmarks.workloads import Workload, build
 
 __all__ = ["AOTGRAD_PREFIX", "BASE_STRATEGIES", "BuildSeconds", "CHECKPOINT_POLICIES", "Prepared",
@@ -114,7 +113,7 @@ class Prepared:
 def available() -> tuple[str, ...]:
     """Every strategy this installation can run: the base ones, one per partitioner, and
     the autocast ones."""
-    return (BASE_STRATEGIES + tuple(AOTGRAD_PREFIX + p for p in PARTITIONERS) + CHECKPOINT_STRATEGIES
+    return (BASE_STRATEGIES + tuple(AOTGRAD_PREFIX + p for p in aotgrad.partitioners()) + CHECKPOINT_STRATEGIES
             + tuple(AUTOCAST_STRATEGIES))
 
 
@@ -133,7 +132,7 @@ def expand(patterns: list[str]) -> tuple[list[str], list[str]]:
         if not hits:
             if pat.startswith(AOTGRAD_PREFIX):
                 messages.append(f"skipping strategy {pat!r}: partitioner {pat[len(AOTGRAD_PREFIX):]!r} is not "
-                                f"registered in aotgrad.partition.PARTITIONERS (registered: {sorted(PARTITIONERS)})")
+                                f"registered with aotgrad.register_partitioner (registered: {sorted(aotgrad.partitioners())})")
             else:
                 messages.append(f"skipping strategy {pat!r}: unknown (available: {list(have)})")
         names.extend(h for h in hits if h not in names)
@@ -143,7 +142,7 @@ def expand(patterns: list[str]) -> tuple[list[str], list[str]]:
 def _is_budget_name(name: str) -> bool:
     """`aotgrad:<registered partitioner>@<budget in [0, 1]>`."""
     base, at, budget = name.partition("@")
-    if not (at and base.startswith(AOTGRAD_PREFIX) and base[len(AOTGRAD_PREFIX):] in PARTITIONERS):
+    if not (at and base.startswith(AOTGRAD_PREFIX) and base[len(AOTGRAD_PREFIX):] in aotgrad.partitioners()):
         return False
     try:
         return 0.0 <= float(budget) <= 1.0
@@ -285,9 +284,9 @@ def _aotgrad(name: str, partitioner: str, w: Workload, memory: bool) -> Prepared
     options = {"partitioner": partitioner}
     if budget:
         options["activation_memory_budget"] = float(budget)
-    if partitioner not in PARTITIONERS:
+    if partitioner not in aotgrad.partitioners():
         raise ValueError(f"partitioner {partitioner!r} is not registered "
-                         f"(registered: {sorted(PARTITIONERS)})")
+                         f"(registered: {sorted(aotgrad.partitioners())})")
     # Options are read when a function is traced, and are part of its cache key: build,
     # warm and run every call inside the same patch.
     context = lambda: aotgrad.config.patch(**options)  # noqa: E731

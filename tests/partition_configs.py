@@ -1,5 +1,5 @@
 """The configurations tests run under: every registered partitioner (new ones are picked up
-when they register in `aotgrad.partition.PARTITIONERS`) and, for those other than
+when they register in `aotgrad.partitioners()`) and, for those other than
 "vjp", the activation memory budgets worth testing."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ BUDGETS = (0.0, 0.5, 1.0)
 def partitioner_configs(budgets: Sequence[float] = BUDGETS) -> list[dict[str, Any]]:
     """`aotgrad.config.patch` keyword arguments, one dict per configuration."""
     configs: list[dict[str, Any]] = []
-    for name in aotgrad.partition.PARTITIONERS:
+    for name in aotgrad.partitioners():
         if name == "vjp":  # one saved set: the budget does not apply
             configs.append({"partitioner": name})
         else:

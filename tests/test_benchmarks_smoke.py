@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import aotgrad
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # The command-line run: one workload, the fewest calls, so that it takes seconds even on a
@@ -99,22 +101,26 @@ def test_runner_cli_writes_expected_json(tmp_path: Path) -> None:
     assert all(overhead[("latency", s)]["ratio_vs_jax"] > 0 for s in expected[2:] if "@" not in s)
 
 
-def test_new_partitioners_are_picked_up_and_failures_continue(tiny_suite: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from aotgrad.partition import PARTITIONERS
-
+def test_new_partitioners_are_picked_up_and_failures_continue(tiny_suite: Path) -> None:
     from benchmarks import run, suite as suite_mod
 
     def broken(graph: object, budget: float) -> dict:
         raise RuntimeError("this partitioner always fails")
 
-    monkeypatch.setitem(PARTITIONERS, "smoke_alias", PARTITIONERS["vjp"])
-    monkeypatch.setitem(PARTITIONERS, "smoke_broken", broken)
-    suite = suite_mod.load(tiny_suite)
-    result = run.run_suite(suite, workloads=["tiny_mlp"], strategies=["jax_fwd_and_bwd", "aotgrad:smoke_*"])
+    def inputs_only(graph, budget: float) -> dict:
+        return {v: "input" for v in graph.inputs}
+
+    registrations = [aotgrad.register_partitioner("smoke_inputs", inputs_only),
+                     aotgrad.register_partitioner("smoke_broken", broken)]
+    try:
+        suite = suite_mod.load(tiny_suite)
+        result = run.run_suite(suite, workloads=["tiny_mlp"], strategies=["jax_fwd_and_bwd", "aotgrad:smoke_*"])
+    finally:
+        for r in registrations:
+            r.remove()
     rows = {r.strategy: r for r in result.rows}
-    assert set(rows) == {"jax_fwd_and_bwd", "aotgrad:smoke_alias", "aotgrad:smoke_broken"}
-    assert rows["aotgrad:smoke_alias"].ok and rows["aotgrad:smoke_alias"].saved.activations > 0
+    assert set(rows) == {"jax_fwd_and_bwd", "aotgrad:smoke_inputs", "aotgrad:smoke_broken"}
+    assert rows["aotgrad:smoke_inputs"].ok and rows["aotgrad:smoke_inputs"].saved.activations == 0
     assert not rows["aotgrad:smoke_broken"].ok
     assert "always fails" in rows["aotgrad:smoke_broken"].error
     assert rows["jax_fwd_and_bwd"].ok

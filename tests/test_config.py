@@ -168,3 +168,33 @@ def test_unkeyed_option_does_not_recompile():
         f(x)
     assert f.cache_info().entries == 1
     assert f.cache_info().misses == 1
+
+
+def test_a_registered_partitioner_is_a_partitioner_choice():
+    """register_partitioner's strategy is what `partitioner=name` runs: one that saves only
+    the inputs recomputes every forward value, and gradients stay JAX's. The registry is
+    read through `partitioners()`, and a name is taken once."""
+    def inputs_only(graph, budget):
+        return {v: "input" for v in graph.inputs}
+
+    registration = aotgrad.register_partitioner("inputs_only", inputs_only)
+    try:
+        assert aotgrad.partitioners()[-1] == "inputs_only"
+        f = aotgrad.compile(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2))
+        w, x = jnp.full((8, 8), 0.1), jnp.arange(32.0).reshape(4, 8) / 32
+        with aotgrad.config.patch(partitioner="inputs_only"):
+            report = aotgrad.explain(f, w, x)
+            got = jax.grad(f)(w, x)
+        assert report.saved_bytes == 0 and report.partitioner == "inputs_only"
+        np.testing.assert_allclose(got, jax.grad(f.__wrapped__)(w, x), rtol=1e-6)
+        with pytest.raises(ValueError, match="'inputs_only' is already registered"):
+            aotgrad.register_partitioner("inputs_only", inputs_only)
+    finally:
+        registration.remove()
+    assert "inputs_only" not in aotgrad.partitioners()
+    with pytest.raises(aotgrad.ConfigError, match="must be one of"):
+        aotgrad.config.patch(partitioner="inputs_only")
+    with pytest.raises(TypeError, match="strategy must be callable"):
+        aotgrad.register_partitioner("bad", 3)
+    with pytest.raises(ValueError, match="name must be an identifier"):
+        aotgrad.register_partitioner("no spaces", inputs_only)
