@@ -60,8 +60,8 @@ def _budget(value: Any) -> float | Bytes:
     name = "aotgrad.config.activation_memory_budget"
     if isinstance(value, Bytes):
         return value
-    if isinstance(value, (str, int, np.integer)) and not isinstance(value, bool) \
-            and not (isinstance(value, (int, np.integer)) and value in (0, 1)):
+    integer = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if isinstance(value, str) or (integer and value not in (0, 1)):
         try:
             return Bytes(parse_bytes(value))
         except ValueError as e:

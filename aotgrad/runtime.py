@@ -161,7 +161,7 @@ class ProgramPair:
         """The backward lowered for the shardings it runs with: the forward's outputs' (as
         XLA compiles it) for activations and cotangents, the inputs' for saved inputs, and
         the differentiated inputs' for the gradients. Then its memory analysis is per device."""
-        outs = lowered_f.compile().output_shardings
+        outs = lowered_f.compile().output_shardings  # (cached: Lowered.compile() reuses it)
         held = [*outs[self.n_outs:], *(inputs[i].sharding for i in self.split.saved_inputs)]
         cts = [s for s, c in zip(outs[:self.n_outs], self.has_ct, strict=True) if c]
         avals = self.split.backward.in_avals

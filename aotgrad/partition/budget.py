@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from fractions import Fraction
 from typing import TYPE_CHECKING, Union
 
 import numpy as np
@@ -80,9 +81,8 @@ def parse_bytes(value: int | str) -> int:
     match = _SIZE.fullmatch(value)
     unit = match and _UNITS.get((match.group(2) or "b").lower())
     if not match or unit is None:
-        raise ValueError(f"a byte size is a number with a unit ({', '.join(['B', 'KB', 'MB', 'GB', 'TB', 'KiB', 'MiB', 'GiB', 'TiB'])}), "
+        raise ValueError(f"a byte size is a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), "
                          f"e.g. '12GB' or '512MiB'; got {value!r}.")
-    from fractions import Fraction
     size = Fraction(match.group(1)) * unit
     if size.denominator != 1:
         raise ValueError(f"{value!r} is not a whole number of bytes ({float(size):,.3f}).")
@@ -154,6 +154,12 @@ def _with_boundaries(problem: Problem, relaxed: np.ndarray) -> list[Cut]:
     return _priced(problem, relaxed, free) if len(free) else []
 
 
+def _step_peak(cut: Cut) -> int:
+    """The step's estimated peak (`peak.py`) when `cut` is saved."""
+    graph = cut.problem.graph
+    return estimate(graph, cut.saved, recompute_late(graph, cut.backward_eqns)).step
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """A candidate cut with what the budget weighs: the step's estimated peak, the
@@ -181,10 +187,7 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
         key = frozenset(cut.saved)
         if key in seen:
             continue
-        if stacked:
-            peak = cut.activation_bytes
-        else:
-            peak = estimate(problem.graph, cut.saved, recompute_late(problem.graph, cut.backward_eqns)).step
+        peak = cut.activation_bytes if stacked else _step_peak(cut)
         seen[key] = Choice(cut, peak, _runtime_cost(cut, relaxed))
     full, *rest = seen.values()
     kept: list[Choice] = []
@@ -211,8 +214,7 @@ def within_budget(problem: Problem, budget: Budget, stacked: bool = False) -> di
     what = "saves" if stacked else "estimated step peak"
     if isinstance(budget, Bytes) and not stacked:  # the runtime-optimal cut, if it fits
         full = problem.full_cut()
-        peak = estimate(problem.graph, full.saved, recompute_late(problem.graph, full.backward_eqns)).step
-        if peak <= budget.n:
+        if _step_peak(full) <= budget.n:
             return full.reasons()  # the plan of budget 1
     steps = choices(problem, stacked)
     low, high = steps[0].peak, steps[-1].peak
