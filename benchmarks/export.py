@@ -45,7 +45,7 @@ def gpt_scan(seed: int = 0, **sizes: int) -> tuple[Any, Any, Any]:
     def loss_fn(params: Any, batch: Any) -> jax.Array:
         x = params["wte"][batch["tokens"]] + params["wpe"]
         x, _ = jax.lax.scan(lambda x, p: (workloads._block(p, x, sizes["heads"]), None), x, params["blocks"])
-        x = workloads._layer_norm(x, params["ln_f"]["scale"], params["ln_f"]["bias"])
+        x = workloads.layer_norm(x, params["ln_f"]["scale"], params["ln_f"]["bias"])
         return workloads._cross_entropy(x @ params["wte"].T, batch["targets"])
 
     return loss_fn, params, data

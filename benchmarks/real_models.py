@@ -39,6 +39,7 @@ import aotgrad
 from benchmarks.measure import Stats, interleaved, steps_for, summarize, time_steps
 
 from benchmarks.real_common import ATOL, RTOL, Loss, RealModel, Step
+from benchmarks.strategies import first_line, xla_peak
 from benchmarks.real_flax import decoder_linen_scan, gemma_nnx, resnet_linen_pmap
 from benchmarks.real_jax import gpt_flash_custom_vjp, vit_equinox
 
@@ -130,10 +131,7 @@ def step_peak(step: Step, state: Any) -> int | None:
     aliased to arguments + scratch. None if the backend reports no memory analysis. (At a
     state the step has run on, JAX's caches make this a lookup, not a compilation.)"""
     m = step.lower(state).compile().memory_analysis()
-    if m is None:
-        return None
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-               + m.temp_size_in_bytes)
+    return None if m is None else xla_peak(m)
 
 
 # ----------------------------------------------------------------------------- the benchmark
@@ -157,11 +155,6 @@ class Result:
     error: str | None = None
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:200]
-
-
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -176,9 +169,9 @@ def run_model(name: str, sizes: dict[str, int], steps: int, repeats: int, min_sa
             loss = model.loss if variant == "plain" else aotgrad.compile(model.loss)
             trained[variant] = train(model, loss, steps)
         except Exception as e:
-            log(f"{name} / {variant}: crashed: {_first_line(e)}")
+            log(f"{name} / {variant}: crashed: {first_line(e)}")
             prefix = "crash: " if variant == "aotgrad" else "plain crashed: "
-            return Result(name, model.family, error=prefix + _first_line(e))
+            return Result(name, model.family, error=prefix + first_line(e))
         t = trained[variant]
         log(f"{name} / {variant}: first call {t.first_call_s:.2f}s, losses "
             + " ".join(f"{x:.4f}" for x in t.losses))
@@ -203,8 +196,8 @@ def run_model(name: str, sizes: dict[str, int], steps: int, repeats: int, min_sa
     try:
         samples = interleaved({v: sampler(v) for v in VARIANTS}, repeats)
     except Exception as e:
-        log(f"{name}: failed while timing: {_first_line(e)}")
-        return Result(name, model.family, comparison, losses, error=f"timing: {_first_line(e)}")
+        log(f"{name}: failed while timing: {first_line(e)}")
+        return Result(name, model.family, comparison, losses, error=f"timing: {first_line(e)}")
     stats = {v: summarize(s) for v, s in samples.items()}
     log(f"{name}: " + ", ".join(f"{v} {s.median * 1e3:.2f} ms (IQR {s.iqr * 1e3:.2f})" for v, s in stats.items())
         + f"; {repeats} interleaved samples of {n} steps")
@@ -216,7 +209,7 @@ def run_model(name: str, sizes: dict[str, int], steps: int, repeats: int, min_sa
             if peak[variant] is None:
                 note = "the backend reports no memory analysis"
         except Exception as e:
-            peak[variant], note = None, f"{variant}: {_first_line(e)}"
+            peak[variant], note = None, f"{variant}: {first_line(e)}"
     log(f"{name}: done in {time.perf_counter() - t0:.1f}s")
     return Result(name, model.family, comparison, losses, stats, n,
                   {v: t.first_call_s for v, t in trained.items()}, peak, note)

@@ -344,11 +344,15 @@ def main(argv: Sequence[str]) -> int:
 def _run_target(suite: suite_mod.Suite) -> int:
     from benchmarks import targets
     targets.use_cpu_for_arrays()
-    specs = [w for w in suite.workloads if not FLAGS.workloads
-             or any(fnmatch.fnmatch(w.name, p) for p in FLAGS.workloads)]
+    specs, _, messages = select_workloads(suite, FLAGS.workloads)
     strategies = targets.target_strategies()
+    for pat in FLAGS.strategies or ():
+        if not any(fnmatch.fnmatchcase(s, pat) for s in strategies):
+            messages.append(f"--strategies: {pat!r} matches none of {strategies}")
     if FLAGS.strategies:
-        strategies = [s for s in strategies if any(fnmatch.fnmatch(s, p) for p in FLAGS.strategies)]
+        strategies = [s for s in strategies if any(fnmatch.fnmatchcase(s, p) for p in FLAGS.strategies)]
+    for m in messages:
+        log(m)
     try:
         rows = targets.run_target(FLAGS.target, [(w.name, w.kind, w.sizes) for w in specs],
                                   devices=FLAGS.devices, sharding=FLAGS.sharding, strategies=strategies, log=log)

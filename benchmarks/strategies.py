@@ -35,7 +35,8 @@ import aotgrad
 from benchmarks.workloads import Workload, build
 
 __all__ = ["AOTGRAD_PREFIX", "BASE_STRATEGIES", "BuildSeconds", "CHECKPOINT_POLICIES", "Prepared",
-           "ProgramMemory", "SavedBytes", "available", "expand", "first_line", "prepare"]
+           "ProgramMemory", "SavedBytes", "aotgrad_options", "available", "checkpointed", "expand", "first_line",
+           "prepare", "xla_peak"]
 
 AOTGRAD_PREFIX = "aotgrad:"
 BASE_STRATEGIES = ("fused", "jax_fwd_and_bwd")
@@ -54,7 +55,8 @@ class SavedBytes:
 @dataclasses.dataclass(frozen=True)
 class ProgramMemory:
     """XLA's `memory_analysis()` of a strategy's programs, in bytes (None: not reported,
-    or no such program). A program's peak is its arguments + outputs + scratch: for a
+    or no such program). A program's peak is its arguments + outputs + scratch (`xla_peak`;
+    no strategy donates, so nothing is aliased): for a
     backward, the saved values, cotangents and gradients it holds besides its scratch.
     The step's peak is the larger of the two (a one-program strategy has only `forward`).
 
@@ -181,8 +183,14 @@ def _stats(compiled: Any) -> tuple[int | None, int | None]:
         return None, None
     if m is None:
         return None, None
-    return (int(m.temp_size_in_bytes),
-            int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes))
+    return int(m.temp_size_in_bytes), xla_peak(m)
+
+
+def xla_peak(m: Any) -> int:
+    """A program's peak bytes from its `memory_analysis()`: arguments + outputs - outputs
+    aliased to (donated) arguments + scratch."""
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+               + m.temp_size_in_bytes)
 
 
 def _fused(w: Workload, memory: bool, name: str = "fused") -> Prepared:
@@ -199,12 +207,18 @@ CHECKPOINT_PREFIX = "checkpoint:"
 CHECKPOINT_STRATEGIES = tuple(CHECKPOINT_PREFIX + p for p in CHECKPOINT_POLICIES)
 
 
-def _checkpointed(name: str, w: Workload, memory: bool) -> Prepared:
-    """The fused program of the same model with `jax.checkpoint(policy)` on each layer."""
+def checkpointed(name: str, w: Workload) -> Workload:
+    """The same model with `jax.checkpoint(policy)` on each layer (`name`:
+    "checkpoint:<policy>")."""
     policy = getattr(jax.checkpoint_policies, name[len(CHECKPOINT_PREFIX):])
     remat = functools.partial(jax.checkpoint, policy=policy)
     again = build(w.name, w.kind, w.sizes, remat=remat)  # same seed: the same parameters
-    return _fused(dataclasses.replace(w, loss_fn=again.loss_fn), memory, name)
+    return dataclasses.replace(w, loss_fn=again.loss_fn)
+
+
+def _checkpointed(name: str, w: Workload, memory: bool) -> Prepared:
+    """The fused program of the same model with `jax.checkpoint(policy)` on each layer."""
+    return _fused(checkpointed(name, w), memory, name)
 
 
 def _fwd_bwd_step(fwd: Callable, bwd: Callable, w: Workload) -> Callable[[], Any]:
@@ -279,14 +293,20 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _aotgrad(name: str, partitioner: str, w: Workload, memory: bool) -> Prepared:
-    partitioner, _, budget = partitioner.partition("@")
-    options = {"partitioner": partitioner}
+def aotgrad_options(spec: str) -> dict[str, Any]:
+    """`aotgrad.config.patch` options of "<partitioner>[@<budget>]"."""
+    partitioner, _, budget = spec.partition("@")
+    options: dict[str, Any] = {"partitioner": partitioner}
     if budget:
         options["activation_memory_budget"] = float(budget)
     if partitioner not in aotgrad.partitioners():
         raise ValueError(f"partitioner {partitioner!r} is not registered "
                          f"(registered: {sorted(aotgrad.partitioners())})")
+    return options
+
+
+def _aotgrad(name: str, partitioner: str, w: Workload, memory: bool) -> Prepared:
+    options = aotgrad_options(partitioner)
     # Options are read when a function is traced, and are part of its cache key: build,
     # warm and run every call inside the same patch.
     context = lambda: aotgrad.config.patch(**options)  # noqa: E731

@@ -15,8 +15,8 @@ Nothing runs: the executables are for the target. The GPU needs the CUDA compile
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import math
 import os
 import pathlib
@@ -28,6 +28,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import aotgrad
 from aotgrad._jax_internals import hlo_cost
+from benchmarks.strategies import (AOTGRAD_PREFIX, CHECKPOINT_PREFIX, CHECKPOINT_STRATEGIES, aotgrad_options,
+                                   checkpointed, xla_peak)
 from benchmarks.workloads import Workload, build
 
 __all__ = ["TARGETS", "TargetRow", "format_rows", "plot", "run_target", "target_strategies"]
@@ -64,13 +66,11 @@ TARGETS = {
     "tpu-v5e": Target("tpu-v5e", "tpu", "pip install 'jax[tpu]'", tpu_kind="v5e"),
 }
 
-CHECKPOINT_POLICIES = ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveable")
 BUDGETS = (1.0, 0.5, 0.2, 0.0)
 
 
 def target_strategies(budgets: Sequence[float] = BUDGETS) -> list[str]:
-    return (["fused"] + [f"checkpoint:{p}" for p in CHECKPOINT_POLICIES]
-            + [f"aotgrad:min_cut@{b:g}" for b in budgets])
+    return ["fused", *CHECKPOINT_STRATEGIES] + [f"{AOTGRAD_PREFIX}min_cut@{b:g}" for b in budgets]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,15 +122,11 @@ def _per_device_bytes(tree: Any) -> int:
 
 def _step(strategy: str, w: Workload) -> tuple[Callable[..., Any], Callable[[], Any]]:
     """(the step to jit, a context to trace it under)."""
-    import contextlib
     if strategy == "fused":
         return jax.value_and_grad(w.loss_fn), contextlib.nullcontext
-    if strategy.startswith("checkpoint:"):
-        policy = getattr(jax.checkpoint_policies, strategy.split(":", 1)[1])
-        again = build(w.name, w.kind, w.sizes, remat=functools.partial(jax.checkpoint, policy=policy))
-        return jax.value_and_grad(again.loss_fn), contextlib.nullcontext
-    partitioner, _, budget = strategy.split(":", 1)[1].partition("@")
-    options = {"partitioner": partitioner, **({"activation_memory_budget": float(budget)} if budget else {})}
+    if strategy.startswith(CHECKPOINT_PREFIX):
+        return jax.value_and_grad(checkpointed(strategy, w).loss_fn), contextlib.nullcontext
+    options = aotgrad_options(strategy[len(AOTGRAD_PREFIX):])
     return jax.value_and_grad(aotgrad.compile(w.loss_fn)), lambda: aotgrad.config.patch(**options)
 
 
@@ -145,8 +141,7 @@ def _measure(strategy: str, w: Workload, params: Any, batch: Any) -> TargetRow:
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     seconds = time.perf_counter() - t0
     m = compiled.memory_analysis()
-    peak = None if m is None else int(m.temp_size_in_bytes + m.argument_size_in_bytes
-                                      + m.output_size_in_bytes - m.alias_size_in_bytes)
+    peak = None if m is None else xla_peak(m)
     cost = hlo_cost(compiled)
     inputs = _per_device_bytes((params, batch))
     return TargetRow(w.name, strategy, peak, None if peak is None else peak - inputs,

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["BUILDERS", "Workload", "build"]
+__all__ = ["BUILDERS", "Workload", "build", "layer_norm"]
 
 Params = dict[str, Any]
 Batch = dict[str, Any]
@@ -64,7 +64,7 @@ def _dense(keys: _Keys, fan_in: int, fan_out: int) -> jax.Array:
     return jax.random.normal(keys(), (fan_in, fan_out), jnp.float32) / math.sqrt(fan_in)
 
 
-def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
     mean = jnp.mean(x, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
     return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
@@ -117,7 +117,7 @@ def _block(p: Params, x: jax.Array, heads: int) -> jax.Array:
     """Pre-LN transformer block: causal multi-head attention, then a tanh-GELU 4x MLP."""
     b, t, d = x.shape
     dh = d // heads
-    h = _layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"])
+    h = layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"])
     qkv = h @ p["qkv"]["w"] + p["qkv"]["b"]
     q, k, v = (z.reshape(b, t, heads, dh) for z in jnp.split(qkv, 3, axis=-1))
     scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(dh)
@@ -126,7 +126,7 @@ def _block(p: Params, x: jax.Array, heads: int) -> jax.Array:
     attn = jax.nn.softmax(scores, axis=-1)
     o = jnp.einsum("bhts,bshd->bthd", attn, v).reshape(b, t, d)
     x = x + o @ p["proj"]["w"] + p["proj"]["b"]
-    h = _layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"])
+    h = layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"])
     h = jax.nn.gelu(h @ p["fc1"]["w"] + p["fc1"]["b"], approximate=True)
     return x + h @ p["fc2"]["w"] + p["fc2"]["b"]
 
@@ -201,7 +201,7 @@ def _gpt_batch(keys: _Keys, batch: int, seq: int, vocab: int) -> Batch:
 
 def _gpt_head(params: Params, x: jax.Array, batch: Batch) -> jax.Array:
     """Final LayerNorm, tied-embedding logits, next-token cross-entropy."""
-    x = _layer_norm(x, params["ln_f"]["scale"], params["ln_f"]["bias"])
+    x = layer_norm(x, params["ln_f"]["scale"], params["ln_f"]["bias"])
     return _cross_entropy(x @ params["wte"].T, batch["targets"])
 
 
