@@ -23,9 +23,8 @@ from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.config import Snapshot, config
 from aotgrad.errors import BudgetUnreachable
 from aotgrad.hooks import ArgLayout, Hooks, InForce, with_hooks
-from aotgrad.partition import JointGraph, Split, partition, scan_rules
+from aotgrad.partition import JointGraph, Split, partition, scan_rules, without_cotangents
 from aotgrad.signature import ArrayImpl
-from aotgrad.symbolic_zeros import without_zero_cotangents
 from aotgrad.trace import ForwardTrace, differentiable, trace_joint
 
 __all__ = ["Backward", "Entry", "GuardedBackward", "ProgramPair", "Saved", "Timings"]
@@ -95,6 +94,8 @@ class ProgramPair:
     casts: CastCounts = CastCounts()  # casts autocast inserted, forward and backward
     donate_saved: bool = False  # the backward takes ownership of the saved activations
     detect_anomaly: bool = False  # the backward also reports where a NaN/Inf first appeared
+    # the split with its backward rewritten under config.backward_pass_autocast
+    autocast: Callable[[Split], Split] = lambda sp: sp
 
     def __post_init__(self) -> None:
         self.forward = jax.jit(jaxpr_as_fun(self.split.forward))
@@ -120,10 +121,17 @@ class ProgramPair:
         except BudgetUnreachable as e:
             graph, sp = _other_scan_levels(e, fwd, perturbed, has_ct, strategy, budget)
         t2 = time.perf_counter()
-        sp, casts = autocast_backward(sp, graph, fwd, options["backward_pass_autocast"])
+        mode = options["backward_pass_autocast"]
+        sp, casts = autocast_backward(sp, fwd, mode)
         t3 = time.perf_counter()
         return cls(owner, perturbed, has_ct, graph, sp, Timings(trace=t1 - t0 + t3 - t2, partition=t2 - t1),
-                   tuple(fwd.in_avals), casts, options["donate_saved"], options["detect_anomaly"])
+                   tuple(fwd.in_avals), casts, options["donate_saved"], options["detect_anomaly"],
+                   lambda variant: autocast_backward(variant, fwd, mode)[0])
+
+    def backward_without(self, present: tuple[bool, ...]) -> Any:
+        """The backward program's jaxpr taking only the cotangents marked present: every
+        equation that only the others (known zero) reach is left out."""
+        return self.autocast(without_cotangents(self.graph, self.split, present)).backward
 
     # ---------------------------------------------------------------- running
 
@@ -205,7 +213,7 @@ class Backward:
         backward = pair.split.backward
         has_ct = pair.has_ct
         if present is not None:
-            backward = without_zero_cotangents(backward, len(backward.in_avals) - len(present), present)
+            backward = pair.backward_without(present)
             given = iter(present)
             has_ct = tuple(c and next(given) for c in has_ct)
         function = anomaly.checked(backward) if pair.detect_anomaly else jaxpr_as_fun(backward)

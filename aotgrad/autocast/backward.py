@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from aotgrad.autocast.context import setting_from_kwargs, setting_of
 from aotgrad.autocast.rewrite import CastCounts, has_markers, rewrite_backward
-from aotgrad.partition import JointGraph, Split
+from aotgrad.partition import Split
 
 if TYPE_CHECKING:
     from aotgrad.trace import ForwardTrace
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 __all__ = ["autocast_backward"]
 
 
-def autocast_backward(split: Split, graph: JointGraph, fwd: "ForwardTrace",
+def autocast_backward(split: Split, fwd: "ForwardTrace",
                       mode: Any) -> tuple[Split, CastCounts]:
     """The split with its backward program rewritten under `config.backward_pass_autocast`
     (`mode`): "off" leaves it as traced (its dtypes follow the forward's casts);
@@ -23,8 +23,7 @@ def autocast_backward(split: Split, graph: JointGraph, fwd: "ForwardTrace",
     forward equation ran under (its autocast marker, else the forward's setting); nested
     contexts (a tuple of keyword tuples) rewrite all of them under one setting.
 
-    Only the backward program changes: the partitioner chose the saved set on the joint
-    graph, so the forward program is the same in every mode, and forward values the
+    Only the backward program changes: the partitioner chose the saved set, so the forward program is the same in every mode, and forward values the
     backward recomputes are re-bound unchanged: the forward's own equations.
     """
     if mode == "off":
@@ -36,5 +35,5 @@ def autocast_backward(split: Split, graph: JointGraph, fwd: "ForwardTrace",
     else:
         fixed = setting_from_kwargs(mode)
         choose = lambda eqn: fixed  # noqa: E731
-    backward, casts = rewrite_backward(split.backward, len(graph.cotangents), choose)
+    backward, casts = rewrite_backward(split.backward, split.n_cotangents, choose)
     return dataclasses.replace(split, backward=backward), CastCounts(fwd.casts, casts)

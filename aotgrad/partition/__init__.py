@@ -16,10 +16,10 @@ from aotgrad.partition.vjp import save_what_backward_reads
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import min_cut
 from aotgrad.partition.scan import partition_scans
-from aotgrad.partition.split import Split, split
+from aotgrad.partition.split import Split, split, without_cotangents
 
 __all__ = ["PARTITIONERS", "JointGraph", "Registration", "Split", "partition", "partitioners",
-           "register_partitioner", "scan_rules", "split"]
+           "register_partitioner", "scan_rules", "split", "without_cotangents"]
 
 # (graph, activation_memory_budget) -> {saved value: reason}
 Strategy = Callable[[JointGraph, Budget], dict[Var, str]]

@@ -18,8 +18,9 @@ from jax.extend.core import ClosedJaxpr, Var
 from aotgrad.interpret import eval_jaxpr
 from aotgrad.partition import schedule
 from aotgrad.partition.graph import JointGraph, live_eqns
+from aotgrad.partition.zeros import known_zero, zeros_like
 
-__all__ = ["Split", "recompute_late", "split"]
+__all__ = ["Split", "recompute_late", "split", "without_cotangents"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -33,9 +34,21 @@ class Split:
     producers: tuple[Any, ...]  # the joint equation that produced each activation
     recompute_groups: int = 0  # groups of recomputed equations that wait for their cotangent
 
+    @property
+    def n_cotangents(self) -> int:
+        """How many of the backward's inputs are cotangents (its last ones)."""
+        return len(self.backward.in_avals) - len(self.activations) - len(self.saved_inputs)
 
-def split(graph: JointGraph, saved: dict[Var, str]) -> Split:
-    """Builds both programs. `saved` maps each saved joint value to the reason it is saved."""
+    def saved(self, graph: JointGraph) -> dict[Var, str]:
+        """The saved set this split was built from: each saved joint value, with its reason."""
+        values = [*self.activations, *(graph.inputs[i] for i in self.saved_inputs)]
+        return dict(zip(values, self.reasons, strict=True))
+
+
+def split(graph: JointGraph, saved: dict[Var, str], absent: Sequence[Var] = ()) -> Split:
+    """Builds both programs. `saved` maps each saved joint value to the reason it is saved.
+    `absent`: cotangents known to be zero (`zeros`): they are not inputs of the backward,
+    which leaves out every equation that only they reach."""
     jaxpr = graph.closed.jaxpr
     consts = set(jaxpr.constvars)
     input_pos = {v: i for i, v in enumerate(graph.inputs)}
@@ -45,8 +58,9 @@ def split(graph: JointGraph, saved: dict[Var, str]) -> Split:
     saved_inputs = tuple(sorted(input_pos[v] for v in saved if v in input_pos))
     activations = tuple(v for v in _in_order(graph, saved) if v not in input_pos)
 
-    # Backward: everything the gradients need, cut at saved values and cotangents.
-    bwd_available = set(saved) | set(graph.cotangents) | consts
+    # Backward: everything the gradients need, cut at saved values, cotangents and zeros.
+    zero = known_zero(graph.eqns, absent) if absent else frozenset()
+    bwd_available = set(saved) | set(graph.cotangents) | consts | zero
     bwd_idx, free = live_eqns(graph.eqns, graph.grads, bwd_available,
                               keep=lambda e: bool(e.effects) and graph.is_backward_eqn(e))
     if free:
@@ -61,16 +75,27 @@ def split(graph: JointGraph, saved: dict[Var, str]) -> Split:
     assert not free and not any(graph.is_backward_eqn(graph.eqns[i]) for i in fwd_idx)
 
     fwd_in = list(graph.inputs)
-    bwd_in = list(activations) + [graph.inputs[i] for i in saved_inputs] + list(graph.cotangents)
+    bwd_in = list(activations) + [graph.inputs[i] for i in saved_inputs] + [
+        v for v in graph.cotangents if v not in zero]
     forward = _emit(graph, fwd_idx, fwd_in, list(graph.outputs) + list(activations))
     order = recompute_late(graph, bwd_idx)
-    groups = schedule.plan([graph.eqns[i] for i in order], graph.backward)
+    groups = schedule.plan([graph.eqns[i] for i in order], graph.backward - zero)
+    read = {v for i in order for v in graph.eqns[i].invars if isinstance(v, Var)}
+    read.update(v for v in graph.grads if isinstance(v, Var))
     backward = _emit(graph, order, bwd_in, list(graph.grads),
-                     before_eqn=schedule.tie(groups, schedule.tie_by_data()))
+                     before_eqn=schedule.tie(groups, schedule.tie_by_data()),
+                     zeros=[v for v in zero if v in read])
     reasons = tuple(saved[v] for v in activations) + tuple(saved[graph.inputs[i]] for i in saved_inputs)
     producers = tuple(graph.eqns[graph.producer[v]] for v in activations)
     return Split(forward, backward, activations, saved_inputs, reasons,
                  tuple(sorted(recomputed.items())), producers, len(groups))
+
+
+def without_cotangents(graph: JointGraph, sp: Split, present: Sequence[bool]) -> Split:
+    """`sp` with a backward that takes only the cotangents marked present (the others are
+    zero, e.g. auxiliary outputs'); the forward and the saved set are unchanged."""
+    absent = [v for v, p in zip(graph.cotangents, present, strict=True) if not p]
+    return split(graph, sp.saved(graph), absent)
 
 
 def recompute_late(graph: JointGraph, idx: list[int]) -> list[int]:
@@ -112,14 +137,16 @@ def _in_order(graph: JointGraph, values: Sequence[Var]) -> list[Var]:
 
 
 def _emit(graph: JointGraph, idx: list[int], invars: list[Var], outvars: list,
-          before_eqn: Callable[[int, dict], None] | None = None) -> ClosedJaxpr:
-    """Re-traces the selected joint equations into a closed jaxpr."""
+          before_eqn: Callable[[int, dict], None] | None = None, zeros: Sequence[Var] = ()) -> ClosedJaxpr:
+    """Re-traces the selected joint equations into a closed jaxpr; `zeros` are values
+    known to be zero, given as zeros."""
     jaxpr = graph.closed.jaxpr
     eqns = [jaxpr.eqns[i] for i in idx]
 
     def program(*args: Any) -> list[Any]:
-        return eval_jaxpr(jaxpr, graph.closed.consts, args, invars=invars, eqns=eqns, outvars=outvars,
-                          before_eqn=before_eqn)
+        filled = [*args, *(zeros_like(v.aval) for v in zeros)]
+        return eval_jaxpr(jaxpr, graph.closed.consts, filled, invars=[*invars, *zeros], eqns=eqns,
+                          outvars=outvars, before_eqn=before_eqn)
 
     avals = [v.aval for v in invars]
     return jax.make_jaxpr(program)(*avals)
