@@ -23,9 +23,9 @@ from aotgrad.config import config, keyed_only
 from aotgrad.hooks import HOOK, LEAF, PREHOOK, ArgLayout, HookHandle, Hooks
 from aotgrad.nnx import NnxCall, has_graph_nodes
 from aotgrad.runtime import Entry, ProgramPair, Saved, Timings
-from aotgrad.signature import (ArgSpec, CallKey, ArrayImpl, Static, aval_key, describe_key_change, key_distance,
-                               key_text,
-                               leaf_key, leaf_paths, static_leaves, unwrap_static)
+from aotgrad.signature import (ArgSpec, CallKey, ArrayImpl, Static, argnum_positions, aval_key, describe_key_change,
+                               key_distance, key_text, leaf_key, leaf_paths, normalize_argnums, static_leaves,
+                               unwrap_static)
 from aotgrad.trace import trace_forward
 
 __all__ = ["AOTFunction", "CacheInfo", "Compiled", "Lowered", "compile", "fwd_and_bwd"]
@@ -73,7 +73,8 @@ class AOTFunction:
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._spec = ArgSpec.of(fn, static_argnums, static_argnames, python_scalars)
-        self._donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        self._donate, _ = normalize_argnums(f"aotgrad.compile({self._spec.fn_name})", donate_argnums,
+                                            "donate_argnums", "positions of the arguments whose buffers may be reused")
         clash = set(self._donate) & set(self._spec.static_argnums)
         if clash:
             raise ValueError(f"aotgrad.compile({self._spec.fn_name}): arguments {sorted(clash)} are in "
@@ -371,8 +372,7 @@ def fwd_and_bwd(fn: Callable, argnums: int | Sequence[int] = 0,
     is an int). `saved` is a pytree of `jax.Array`s: count it, move it, offload it.
     """
     f = fn if isinstance(fn, AOTFunction) else AOTFunction(fn)
-    single = isinstance(argnums, (int, np.integer))
-    nums = check_argnums(f"aotgrad.fwd_and_bwd({f.name})", argnums)
+    nums, single = normalize_argnums(f"aotgrad.fwd_and_bwd({f.name})", argnums)
     if not nums:
         raise ValueError("aotgrad.fwd_and_bwd: argnums must name at least one argument.")
 
@@ -412,25 +412,6 @@ def fwd_and_bwd(fn: Callable, argnums: int | Sequence[int] = 0,
         return per_arg[0] if single else tuple(per_arg)
 
     return fwd, bwd
-
-
-def check_argnums(who: str, argnums: Any) -> tuple[int, ...]:
-    """`argnums` as a tuple of ints; anything else is a TypeError saying what it takes."""
-    if isinstance(argnums, (int, np.integer)) and not isinstance(argnums, bool):
-        return (int(argnums),)
-    if isinstance(argnums, (tuple, list)) and all(
-            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in argnums):
-        return tuple(int(i) for i in argnums)
-    raise TypeError(f"{who}: argnums takes an int or a sequence of ints (positions of the "
-                    f"arguments to differentiate); got {argnums!r}.")
-
-
-def argnum_positions(who: str, nums: tuple[int, ...], n_args: int) -> set[int]:
-    """The positional arguments named by `nums` (negative numbers count from the end)."""
-    bad = [i for i in nums if not -n_args <= i < n_args]
-    if bad:
-        raise ValueError(f"{who}: argnums {bad} out of range for {n_args} positional arguments.")
-    return {i % n_args for i in nums}
 
 
 def _plan(name: str, entry: Entry, n_args: int, nums: tuple[int, ...],

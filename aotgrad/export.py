@@ -31,14 +31,14 @@ from jax.sharding import SingleDeviceSharding
 from jax.tree_util import tree_leaves, tree_structure, tree_unflatten
 
 from aotgrad._jax_internals import Tracer
-from aotgrad.api import AOTFunction, CacheInfo, Lowered, _Call, argnum_positions, check_argnums
+from aotgrad.api import AOTFunction, CacheInfo, Lowered, _Call
 from aotgrad.compilation_cache import ensure_compilation_cache
 from aotgrad.config import config
 from aotgrad.partition.costs import nbytes as _nbytes
 from aotgrad.report import Memory, Report, SavedValue, _report
 from aotgrad.runtime import Entry, ProgramPair, Saved, Timings
 from aotgrad.autocast.rewrite import CastCounts
-from aotgrad.signature import ArgSpec, leaf_paths
+from aotgrad.signature import ArgSpec, argnum_positions, leaf_paths
 
 __all__ = ["ExportError", "Exported", "deserialize", "export"]
 
@@ -114,7 +114,7 @@ def export(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
                           f"jax.ShapeDtypeStructs.")
     positions = None
     if argnums is not None:
-        positions = argnum_positions(who, check_argnums(who, argnums), len(args))
+        positions = argnum_positions(who, argnums, len(args))
     try:
         pair = entry.pair(entry.perturbed_for(positions), entry.default_has_ct())
     except Exception as e:
@@ -456,7 +456,7 @@ class Exported(AOTFunction):
         recomputed primitives, casts), with XLA's memory analysis of the loaded programs."""
         if argnums is not None:
             who = f"aotgrad.explain({self.name})"
-            positions = argnum_positions(who, check_argnums(who, argnums), len(args))
+            positions = argnum_positions(who, argnums, len(args))
             asked = self._entry.perturbed_for(positions)
             if asked != self._entry.exported_perturbed:
                 raise ExportError(f"aotgrad.explain({self.name}): argnums={argnums} differentiates other "

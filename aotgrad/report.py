@@ -7,13 +7,14 @@ from typing import Any, Callable, Sequence
 from jax.extend.core import ClosedJaxpr
 
 from aotgrad._jax_internals import source_line
-from aotgrad.api import AOTFunction, Lowered, argnum_positions, check_argnums
+from aotgrad.api import AOTFunction, Lowered
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.partition.costs import nbytes as _nbytes
 from aotgrad.partition.rules import FALLBACK, without_rule
 from aotgrad.partition.scan import segment_schedules
 from aotgrad.provenance import BackwardCost, backward_costs
 from aotgrad.runtime import ProgramPair, Timings
+from aotgrad.signature import argnum_positions
 
 __all__ = ["BackwardCost", "Memory", "Report", "SavedValue", "explain"]
 
@@ -167,7 +168,7 @@ def explain(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None
     positions = None
     if argnums is not None:
         who = f"aotgrad.explain({f.name})"
-        positions = argnum_positions(who, check_argnums(who, argnums), len(args))
+        positions = argnum_positions(who, argnums, len(args))
     pair = call.entry.pair(call.entry.perturbed_for(positions), call.entry.default_has_ct())
     compiled = Lowered(f.name, pair, *pair.lower(call.inputs)).compile()
     return _report(f, call, paths, pair, compiled.timings, Memory.of(compiled))

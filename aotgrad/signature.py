@@ -13,8 +13,8 @@ from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unf
 
 from aotgrad._jax_internals import ArrayImpl, Tracer
 
-__all__ = ["ArgSpec", "CallKey", "Static", "aval_key", "check_output_leaves", "describe_key_change", "key_distance",
-           "key_text", "leaf_key", "leaf_paths"]
+__all__ = ["ArgSpec", "CallKey", "Static", "argnum_positions", "aval_key", "check_output_leaves", "describe_key_change",
+           "key_distance", "key_text", "leaf_key", "leaf_paths", "normalize_argnums"]
 
 _SCALARS = (bool, int, float, complex, np.generic)
 
@@ -26,6 +26,46 @@ def _is_array_like(x: Any) -> bool:
 _ARRAYS = (jax.Array, np.ndarray, np.generic, Tracer, jax.ShapeDtypeStruct)
 _PY_SCALARS = (bool, int, float, complex)
 PYTHON_SCALARS = ("traced", "static")
+
+
+def _is_position(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def normalize_argnums(who: str, argnums: Any, name: str = "argnums",
+                      what: str = "positions of the arguments to differentiate") -> tuple[tuple[int, ...], bool]:
+    """The one rule for argument positions (`argnums`, `static_argnums`, `donate_argnums`):
+    a Python or NumPy int, or a tuple or list of them, as a tuple of Python ints, and whether
+    a single int was given (then, as in `jax.grad`, one gradient comes back, not a tuple).
+    Bools are not positions. Anything else is a TypeError naming `name`, what it takes
+    (`what`) and what it got. Ranges are checked where the number of arguments is known
+    (`argnum_positions`)."""
+    if _is_position(argnums):
+        return (int(argnums),), True
+    if isinstance(argnums, (tuple, list)):
+        bad = [i for i in argnums if not _is_position(i)]
+        if not bad:
+            return tuple(int(i) for i in argnums), False
+        got = f"{argnums!r}, whose element {bad[0]!r} is a {type(bad[0]).__name__}"
+    else:
+        got = f"{argnums!r} ({type(argnums).__name__})"
+    raise TypeError(f"{who}: {name} takes an int or a sequence of ints ({what}); got {got}.")
+
+
+def _out_of_range(nums: Sequence[int], n: int) -> list[int]:
+    """The positions in `nums` that name none of `n` arguments (negative ones count from the end)."""
+    return [i for i in nums if not -n <= i < n]
+
+
+def argnum_positions(who: str, argnums: Any, n_args: int) -> set[int]:
+    """The positional arguments named by `argnums` (checked by `normalize_argnums`; negative
+    numbers count from the end, as in `jax.grad`); a number outside the `n_args` arguments
+    is a ValueError naming argnums."""
+    nums, _ = normalize_argnums(who, argnums)
+    bad = _out_of_range(nums, n_args)
+    if bad:
+        raise ValueError(f"{who}: argnums {bad} out of range for {n_args} positional arguments.")
+    return {i % n_args for i in nums}
 
 
 class Static:
@@ -125,9 +165,10 @@ class ArgSpec:
     @classmethod
     def of(cls, fn: Callable, static_argnums: int | Sequence[int],
            static_argnames: str | Sequence[str], python_scalars: str = "traced") -> "ArgSpec":
-        nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
-        names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
         fn_name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+        nums, _ = normalize_argnums(f"aotgrad.compile({fn_name})", static_argnums, "static_argnums",
+                                    "positions of the static arguments")
+        names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
         try:
             all_params = list(inspect.signature(fn).parameters.values())
         except (TypeError, ValueError):
@@ -233,7 +274,7 @@ def _check_static_names(fn_name: str, params: list, positional: tuple[str, ...],
     kinds = {p.kind for p in params}
     n = len(positional)
     if inspect.Parameter.VAR_POSITIONAL not in kinds:
-        bad = [i for i in nums if not -n <= i < n]
+        bad = _out_of_range(nums, n)
         if bad:
             raise ValueError(f"aotgrad.compile({fn_name}): static_argnums {bad} out of range: the function "
                              f"has {n} positional parameters {list(positional)}.")
