@@ -96,7 +96,7 @@ class Hooks:
             _publish()
 
     def __del__(self) -> None:  # a dropped function's hooks leave the jit key
-        if self.current:
+        if self.current and _publish is not None:  # (at interpreter exit globals are gone)
             with _all_lock:
                 _all.pop(id(self), None)
                 _publish()

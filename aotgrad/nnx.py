@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 from jax.tree_util import keystr
 
+from aotgrad.hooks import HOOK, LEAF, PREHOOK, Hook, Hooks
+
 if TYPE_CHECKING:
     from aotgrad.api import AOTFunction
 
-__all__ = ["NnxCall", "has_graph_nodes"]
+__all__ = ["NnxCall", "UserView", "has_graph_nodes"]
 
 
 def _is_node(x: Any) -> bool:
@@ -68,6 +71,7 @@ class NnxCall:
                                  static_argnames=owner._spec.static_argnames, donate_argnums=owner._donate,
                                  python_scalars=owner._spec.python_scalars)
         self.inner._nnx = False
+        self.inner._hooks = UserView(owner._hooks)  # the owner's hooks run in the inner backward
 
     def _check_structure(self, pure_args: tuple, pure_kwargs: dict, args: tuple, kwargs: dict) -> None:
         """Only Variable values are written back: a changed graph (a new attribute or
@@ -104,3 +108,56 @@ class NnxCall:
                         f"{type(update).__name__} at {self._where(path)} back into the caller's "
                         f"object: {e}") from e
         return extract.from_tree2(out)
+
+
+class UserView:
+    """A compiled function's hooks as its inner function (on states) runs them, each seeing
+    what the user's function has: the cotangent of its output (not of the Variable
+    updates the inner function also returns), gradients of graph nodes as `nnx.State` (as
+    `nnx.grad` returns them), and leaf paths without flax's `__state__` level. Adapted
+    hooks are kept per hook, so a backward program is found again for the same hooks."""
+
+    def __init__(self, hooks: Hooks) -> None:
+        self.hooks = hooks
+        self._adapted: weakref.WeakKeyDictionary[Hook, Hook] = weakref.WeakKeyDictionary()
+
+    @property
+    def current(self) -> tuple[Hook, ...]:
+        return tuple(self._adapt(h) for h in self.hooks.current)
+
+    def _adapt(self, hook: Hook) -> Hook:
+        adapted = self._adapted.get(hook)
+        if adapted is None:
+            adapted = Hook(functools.wraps(hook.fn)(_ADAPTERS[hook.kind](hook.fn)), hook.kind)
+            self._adapted[hook] = adapted
+        return adapted
+
+
+def _prehook(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def on_states(ct: Any) -> Any:
+        out_ct, updates_ct = ct
+        new = fn(out_ct)
+        return None if new is None else (new, updates_ct)
+    return on_states
+
+
+def _hook(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def on_states(grads: Any, ct: Any) -> Any:
+        from flax.nnx import extract
+        is_tree_state = lambda x: isinstance(x, extract.TreeState)  # noqa: E731
+        as_state = jax.tree.map(lambda g: g.state if is_tree_state(g) else g, grads, is_leaf=is_tree_state)
+        new = fn(as_state, ct[0])
+        if new is None:
+            return None
+        return jax.tree.map(lambda g, n: g.replace(__state__=n) if is_tree_state(g) else n,
+                            grads, new, is_leaf=lambda x: x is None or is_tree_state(x))
+    return on_states
+
+
+def _leaf_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def on_states(grad: Any, path: str) -> Any:
+        return fn(grad, path.replace(".__state__", ""))
+    return on_states
+
+
+_ADAPTERS = {PREHOOK: _prehook, HOOK: _hook, LEAF: _leaf_hook}

@@ -151,3 +151,26 @@ def test_aotgrad_works_without_flax():
             "assert float(f(jnp.ones(3))) == 3.0\n"
             "assert 'flax.nnx' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hooks_on_a_function_of_modules_see_what_the_user_function_has():
+    # Before, the hooks of a function taking graph nodes were never run (its inner
+    # function on states had hooks of its own): a silently ignored setting.
+    f = aotgrad.compile(lambda m, x: jnp.sum(m(x) ** 2))
+    plain = lambda m, x: jnp.sum(m(x) ** 2)  # noqa: E731
+    m, x = nnx.Linear(3, 2, rngs=nnx.Rngs(0)), jnp.ones((4, 3))
+    want = nnx.grad(plain)(m, x)
+    seen = []
+
+    def whole(grads, ct):
+        seen.append((type(grads[0]).__name__, grads[1], np.shape(ct)))
+        return jax.tree.map(lambda g: 2 * g, grads)
+
+    def leaf(grad, path):
+        seen.append(path)
+
+    with f.register_prehook(lambda ct: 3 * ct), f.register_hook(whole), f.register_hook(leaf, per_leaf=True):
+        got = nnx.grad(f)(m, x)
+    assert seen == [("State", None, ()), "m['bias'].value", "m['kernel'].value"]
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, 6 * w, rtol=1e-5), got, want)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5), nnx.grad(f)(m, x), want)
