@@ -20,7 +20,9 @@ default backend: a step compiled for a GPU or TPU target on a CPU machine gets t
 mechanism). Both are staged with `jax.lax.platform_dependent`, so lowering keeps only the
 one for its platform (the compiler never sees a conditional):
 - GPU and TPU keep `optimization_barrier` through scheduling (as `jax.checkpoint` relies
-  on): the group's inputs pass through one barrier with the cotangent.
+  on): the saved values the group reads pass through one barrier with the cotangent
+  (values an earlier group recomputed do not: they wait already, and a barrier would make
+  XLA write them to memory).
 - XLA:CPU removes barriers before it schedules, so there (with one device) the group's
   floating-point inputs become `x - z`, with `z` a zero computed from two elements of the
   cotangent by integer operations XLA cannot fold. `x - 0.0` is `x` exactly (signed zeros
@@ -32,6 +34,7 @@ one for its platform (the compiler never sees a conditional):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -48,10 +51,12 @@ VIEWS = frozenset({P.reshape_p, P.squeeze_p})
 @dataclasses.dataclass(frozen=True)
 class Group:
     """Recomputed equations [start, stop) (positions in the backward's order) that wait
-    for `after`, a backward value; `inputs` are the values they read from outside."""
+    for `after`, a backward value; `inputs` are the values they read from outside, `saved`
+    says which of them are saved values (the others an earlier group recomputed)."""
     start: int
     stop: int
     inputs: tuple[Var, ...]
+    saved: tuple[bool, ...]
     after: Var
 
 
@@ -84,7 +89,8 @@ def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var]) -> tuple[Group, ...
         inside = {v for i in group for v in eqns[i].outvars}
         inputs = tuple(dict.fromkeys(v for i in group for v in eqns[i].invars
                                      if isinstance(v, Var) and v not in inside))
-        groups.append(Group(min(group), max(group) + 1, inputs, after))
+        saved = tuple(v not in position for v in inputs)  # not computed by the backward
+        groups.append(Group(min(group), max(group) + 1, inputs, saved, after))
     return tuple(groups)
 
 
@@ -115,16 +121,23 @@ def tie(groups: Sequence[Group], by_data: bool) -> Callable[[int, dict], None]:
             return
         restore[group.stop] = {v: env[v] for v in group.inputs}
         values, after = [env[v] for v in group.inputs], env[group.after]
+        barrier = functools.partial(_tie_by_barrier, saved=group.saved)
         if by_data:  # the data tie where the program is lowered for a CPU, else the barrier
-            tied = jax.lax.platform_dependent(values, after, cpu=_tie_by_data, default=_tie_by_barrier)
+            tied = jax.lax.platform_dependent(values, after, cpu=_tie_by_data, default=barrier)
         else:
-            tied = _tie_by_barrier(values, after)
-        env.update(zip(group.inputs, tied))
+            tied = barrier(values, after)
+        env.update(zip(group.inputs, tied, strict=True))
     return before
 
 
-def _tie_by_barrier(values: list, after: Any) -> list:
-    return list(jax.lax.optimization_barrier([*values, after])[:-1])
+def _tie_by_barrier(values: list, after: Any, saved: Sequence[bool]) -> list:
+    """Only saved values pass through the barrier: a value an earlier group recomputed
+    waits already, and a barrier on it would make XLA write it to memory between two
+    fusions (on a GPU, a GPT's step moved 1.28x the fused step's bytes, 1.13x without)."""
+    if not any(saved):
+        return list(values)
+    held = iter(jax.lax.optimization_barrier([*(x for x, s in zip(values, saved) if s), after]))
+    return [next(held) if s else x for x, s in zip(values, saved, strict=True)]
 
 
 def _tie_by_data(values: list, after: Any) -> list:
