@@ -57,7 +57,7 @@ def checked(backward: ClosedJaxpr) -> Callable[..., list[Any]]:
         codes = [_code(a) for a in args]
 
         def record(eqn: Any, invals: list, outvals: list) -> None:
-            codes.append(_worst([o for v, o in zip(eqn.outvars, outvals) if isinstance(v, Var)]))
+            codes.append(_worst([o for v, o in zip(eqn.outvars, outvals, strict=True) if isinstance(v, Var)]))
 
         grads = eval_jaxpr(jaxpr, backward.consts, args, on_eqn=record)
         codes.extend(_code(g) for g in grads)
@@ -97,8 +97,8 @@ def _report(pair: "ProgramPair", in_codes: np.ndarray, eqn_codes: np.ndarray,
     head = (f"aotgrad anomaly mode: the backward of {pair.owner} produced {kind} in the gradient "
             f"of input {inputs} (inputs counted over closed-over constants, then argument leaves).")
 
-    nonfinite = {v for v, c in zip(jaxpr.invars, in_codes) if c}
-    for eqn, c in zip(eqns, eqn_codes):
+    nonfinite = {v for v, c in zip(jaxpr.invars, in_codes, strict=True) if c}
+    for eqn, c in zip(eqns, eqn_codes, strict=True):
         if c:
             nonfinite.update(v for v in eqn.outvars if isinstance(v, Var))
     # Walk back from the non-finite gradients; the earliest equation that turned finite
@@ -135,7 +135,7 @@ _HINT = ("\n(aotgrad.config.detect_anomaly is on; it adds a check to every backw
 def _input_origin(pair: "ProgramPair", jaxpr: Any, needed: set, in_codes: np.ndarray) -> str:
     """The message when a backward input (saved value or cotangent) was already non-finite."""
     n_act, n_saved_in = len(pair.split.activations), len(pair.split.saved_inputs)
-    for k, (v, c) in enumerate(zip(jaxpr.invars, in_codes)):
+    for k, (v, c) in enumerate(zip(jaxpr.invars, in_codes, strict=True)):
         if not c or v not in needed:
             continue
         what = _KIND[int(c)]

@@ -203,7 +203,8 @@ class AOTFunction:
         found = [f"argument {self._spec.arg_name(k) if isinstance(k, int) else k}" for k, v in key.static
                  if isinstance(v, Static)]
         found += [f"argument {path}" for path, (_, v) in
-                  zip(leaf_paths(self._spec, key.in_tree, static=True), static_leaves(tree)) if v.by_identity]
+                  zip(leaf_paths(self._spec, key.in_tree, static=True), static_leaves(tree), strict=True)
+                  if v.by_identity]
         if found:
             self._noted_identity = True
             logger.warning("aotgrad: %s: %s not hashable, so the cache is keyed on the object's "
@@ -471,7 +472,8 @@ class _GradLayout:
         contiguous = None
         if all(isinstance(k, int) for k in flat) and flat == list(range(len(flat))):
             bounds = itertools.accumulate(len(picks) for _, picks in args)
-            contiguous = tuple((tree, end - len(picks), end) for (tree, picks), end in zip(args, bounds))
+            contiguous = tuple((tree, end - len(picks), end)
+                               for (tree, picks), end in zip(args, bounds, strict=True))
         has_static = any(static_leaves(tree_unflatten(tree, [0] * tree.num_leaves)) for tree, _ in args)
         return cls(tuple(args), out_tree, paths, keys, contiguous, has_static)
 

@@ -188,11 +188,11 @@ def _export_programs(who: str, entry: Entry, pair: ProgramPair, inputs: Sequence
     if any(s.sharding is not None for s in specs):
         outs = forward.lower(*specs).compile().output_shardings
         acts = list(outs[pair.n_outs:])
-        cts = [s for s, c in zip(outs[:pair.n_outs], pair.has_ct) if c]
+        cts = [s for s, c in zip(outs[:pair.n_outs], pair.has_ct, strict=True) if c]
         bwd_shardings = acts + [specs[i].sharding for i in sp.saved_inputs] + cts
         grad_shardings = [specs[i].sharding for i in pair.grad_inputs]
     bwd_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                 for a, s in zip(sp.backward.in_avals, bwd_shardings)]
+                 for a, s in zip(sp.backward.in_avals, bwd_shardings, strict=True)]
     backward = jax.jit(jaxpr_as_fun(sp.backward), out_shardings=grad_shardings)
     programs["backward"] = exported(backward, *bwd_specs)
     return programs
@@ -232,7 +232,8 @@ def _report_meta(report: Report) -> dict[str, Any]:
 def _report_of(name: str, meta: dict[str, Any], avals: Sequence[Any], memory: Memory,
                jaxprs: dict[str, Any], compile_seconds: float) -> Report:
     """The exported report, with the saved values' types (`avals`) of one call."""
-    saved = tuple(SavedValue(shape=tuple(a.shape), nbytes=_nbytes(a), **s) for s, a in zip(meta["saved"], avals))
+    saved = tuple(SavedValue(shape=tuple(a.shape), nbytes=_nbytes(a), **s)
+                  for s, a in zip(meta["saved"], avals, strict=True))
     pairs = lambda rows: tuple((str(p), int(k)) for p, k in rows)  # noqa: E731
     return Report(function=name, partitioner=meta["partitioner"], forward_jaxpr=jaxprs["forward"],
                   backward_jaxpr=jaxprs["backward"], saved=saved,
@@ -262,7 +263,7 @@ class _Pair:
         self.in_avals = entry.fwd.in_avals
         self.n_outs = len(entry.fwd.out_avals)
         self.layouts: dict[object, Any] = {}
-        self._keep = [p for p, q in zip(perturbed, entry.exported_perturbed) if q]
+        self._keep = [p for p, q in zip(perturbed, entry.exported_perturbed, strict=True) if q]
 
     def run_forward(self, inputs: Sequence[Any], hooks: Any = None) -> tuple[list[Any], Saved]:
         assert hooks is None  # an Exported refuses hooks
@@ -278,13 +279,13 @@ class _Pair:
         given = iter(cts)
         marks = iter(present) if present is not None else None
         full = []
-        for j, (want, have) in enumerate(zip(self.entry.exported_has_ct, self.has_ct)):
+        for j, (want, have) in enumerate(zip(self.entry.exported_has_ct, self.has_ct, strict=True)):
             here = have and (marks is None or next(marks))
             if want:
                 aval = self.entry.fwd.out_avals[j]
                 full.append(next(given) if here else jax.numpy.zeros(aval.shape, aval.dtype))
         grads = self.entry.backward(*saved.arrays, *full)
-        return [g for g, keep in zip(grads, self._keep) if keep]
+        return [g for g, keep in zip(grads, self._keep, strict=True) if keep]
 
     def lower(self, inputs: Sequence[Any]) -> tuple[Any, Any, Timings]:
         """Both programs lowered for these inputs (the backward for the saved values and
@@ -292,7 +293,7 @@ class _Pair:
         results = jax.eval_shape(self.entry.forward, *inputs)
         outs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in results[:self.n_outs]]
         specs = [*results[self.n_outs:], *(_spec(inputs[i]) for i in self.entry.saved_inputs),
-                 *(o for o, c in zip(outs, self.entry.exported_has_ct) if c)]
+                 *(o for o, c in zip(outs, self.entry.exported_has_ct, strict=True) if c)]
         return self.entry.forward.lower(*inputs), self.entry.backward.lower(*specs), Timings()
 
 
@@ -329,7 +330,7 @@ class _Entry(Entry):
         pair = self.pairs.get(key)
         if pair is None:
             n = len(self.fwd.consts)
-            extra = [self.paths[i - n] for i, (p, q) in enumerate(zip(perturbed, self.exported_perturbed))
+            extra = [self.paths[i - n] for i, (p, q) in enumerate(zip(perturbed, self.exported_perturbed, strict=True))
                      if p and not q and i >= n]
             if extra:
                 have = [self.paths[i - n] for i, q in enumerate(self.exported_perturbed) if q and i >= n]
@@ -337,7 +338,7 @@ class _Entry(Entry):
                     f"aotgrad.Exported({self.owner}): a gradient was asked for argument(s) "
                     f"{', '.join(extra)}, which the export does not differentiate (it differentiates "
                     f"{', '.join(have) or 'nothing'}). Export again with argnums naming them.")
-            pair = _Pair(self, perturbed, tuple(h and e for h, e in zip(has_ct, self.exported_has_ct)))
+            pair = _Pair(self, perturbed, tuple(h and e for h, e in zip(has_ct, self.exported_has_ct, strict=True)))
             self.pairs[key] = pair
         return pair
 
@@ -436,7 +437,7 @@ class Exported(AOTFunction):
             raise ExportError(f"aotgrad.Exported({self.name}): the arguments have structure {in_tree}; "
                               f"it was exported for {entry.in_tree}. Call it with arguments of that "
                               f"structure, or export again for this one.")
-        for path, leaf, want in zip(entry.paths, leaves, self.in_avals):
+        for path, leaf, want in zip(entry.paths, leaves, self.in_avals, strict=True):
             got = jax.typeof(leaf) if not isinstance(leaf, jax.ShapeDtypeStruct) else leaf
             if got.dtype != want.dtype or not _fits(got.shape, want.shape):
                 raise ExportError(
@@ -495,7 +496,7 @@ class Exported(AOTFunction):
 def _fits(got: Sequence[Any], want: Sequence[Any]) -> bool:
     """Same rank, and equal wherever the exported dimension is a number."""
     return len(got) == len(want) and all(
-        not isinstance(w, (int, np.integer)) or g == w for g, w in zip(got, want))
+        not isinstance(w, (int, np.integer)) or g == w for g, w in zip(got, want, strict=True))
 
 
 def _text(aval: Any) -> str:

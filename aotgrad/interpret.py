@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence
 
 import jax.extend.core.primitives as P
-from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import Jaxpr, JaxprEqn, Literal, Primitive, Var
 
 from aotgrad._jax_internals import bind_eqn, eqn_context, is_jaxpr, open_jaxpr
 
@@ -24,7 +24,7 @@ def read(env: dict, atom: Any) -> Any:
 
 
 def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
-               rules: Mapping[Any, Rule] | None = None,
+               rules: Mapping[Primitive, Rule] | None = None,
                on_eqn: Callable[[JaxprEqn, list, list], None] | None = None, *,
                before_eqn: Callable[[int, dict], None] | None = None, bind: Rule = bind_eqn,
                invars: Sequence[Var] | None = None,
@@ -41,15 +41,15 @@ def eval_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
         invars, eqns, outvars: evaluate a selection instead (`args` are the values of
             `invars`; `eqns` in order; the values of `outvars` returned), as `split` does.
     """
-    env: dict = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars if invars is None else invars, args))
+    env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars if invars is None else invars, args, strict=True))
     rules = rules or {}
     for i, eqn in enumerate(jaxpr.eqns if eqns is None else eqns):
         if before_eqn is not None:
             before_eqn(i, env)
         invals = [read(env, v) for v in eqn.invars]
         outvals = rules.get(eqn.primitive, bind)(eqn, invals)
-        for v, val in zip(eqn.outvars, outvals):
+        for v, val in zip(eqn.outvars, outvals, strict=True):
             if isinstance(v, Var):  # DropVar results are discarded
                 env[v] = val
         if on_eqn is not None:
@@ -71,7 +71,7 @@ def sub_jaxprs(eqn: Any, skip: frozenset[str] = frozenset()) -> list[Jaxpr]:
 
 
 # Calls whose body can be evaluated in place: the parameter holding the body.
-CALL_BODIES: dict[Any, str] = {P.jit_p: "jaxpr", P.closed_call_p: "call_jaxpr", P.call_p: "call_jaxpr"}
+CALL_BODIES: dict[Primitive, str] = {P.jit_p: "jaxpr", P.closed_call_p: "call_jaxpr", P.call_p: "call_jaxpr"}
 
 
 def body_of(eqn: JaxprEqn, param: str) -> tuple[Jaxpr, Sequence[Any]]:
@@ -88,4 +88,4 @@ def _inline(param: str) -> Rule:
     return rule
 
 
-INLINE_RULES: dict[Any, Rule] = {prim: _inline(param) for prim, param in CALL_BODIES.items()}
+INLINE_RULES: dict[Primitive, Rule] = {prim: _inline(param) for prim, param in CALL_BODIES.items()}

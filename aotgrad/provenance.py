@@ -17,7 +17,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 import jax
-from jax.extend.core import Jaxpr, JaxprEqn, Literal
+from jax.extend.core import Jaxpr, JaxprEqn, Literal, Primitive
 
 from aotgrad._jax_internals import bind_eqn, name_scopes, short_source_line
 from aotgrad.interpret import Rule
@@ -45,8 +45,8 @@ def _scope(seq: int, eqn: JaxprEqn) -> str:
     return str(Origin(seq, eqn.primitive.name, short_source_line(eqn)))
 
 
-def numbered(jaxpr: Jaxpr, rules: Mapping[Any, Rule] | None = None,
-             bind: Rule = bind_eqn) -> tuple[dict[Any, Rule], Rule]:
+def numbered(jaxpr: Jaxpr, rules: Mapping[Primitive, Rule] | None = None,
+             bind: Rule = bind_eqn) -> tuple[dict[Primitive, Rule], Rule]:
     """`rules` and `bind` (as `interpret.eval_jaxpr` takes them) that evaluate each
     equation of `jaxpr` under the scope naming its sequence number."""
     scopes = {id(e): _scope(k, e) for k, e in enumerate(jaxpr.eqns)}

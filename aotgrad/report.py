@@ -135,7 +135,7 @@ def _table(rows: list[tuple[str, ...]], indent: str = "") -> list[str]:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = []
     for k, r in enumerate(rows):
-        lines.append(indent + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+        lines.append(indent + "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
         if k == 0:
             lines.append(indent + "  ".join("-" * w for w in widths))
     return lines
@@ -184,7 +184,7 @@ def _report(f: AOTFunction, call: Any, paths: list[str], pair: ProgramPair, timi
     for v, eqn, why in zip(sp.activations, sp.producers, sp.reasons):
         saved.append(SavedValue(tuple(v.aval.shape), _dtype_name(v.aval.dtype), _nbytes(v.aval),
                                 False, eqn.primitive.name, source_line(eqn), why))
-    for i, why in zip(sp.saved_inputs, sp.reasons[len(sp.activations):]):
+    for i, why in zip(sp.saved_inputs, sp.reasons[len(sp.activations):], strict=True):
         aval = pair.in_avals[i]
         where = f"closed-over constant {i}" if i < n_consts else f"argument {paths[i - n_consts]}"
         saved.append(SavedValue(tuple(aval.shape), _dtype_name(aval.dtype), _nbytes(aval),

@@ -320,11 +320,11 @@ def check_output_leaves(fn_name: str, out: Any) -> None:
 def key_distance(old: CallKey, new: CallKey) -> int:
     """How many fields of two keys differ (leaves are compared one by one when the
     argument structures agree)."""
-    d = int(old.autocast != new.autocast) + sum(a != b for a, b in zip(old.options, new.options))
+    d = int(old.autocast != new.autocast) + sum(a != b for a, b in zip(old.options, new.options, strict=True))
     d += len(set(old.static) ^ set(new.static))
     if old.in_tree != new.in_tree:
         return d + 1 + abs(len(old.leaves) - len(new.leaves))
-    return d + sum(a != b for a, b in zip(old.leaves, new.leaves))
+    return d + sum(a != b for a, b in zip(old.leaves, new.leaves, strict=True))
 
 
 def describe_key_change(spec: ArgSpec, old: CallKey, new: CallKey) -> list[str]:
@@ -336,12 +336,12 @@ def describe_key_change(spec: ArgSpec, old: CallKey, new: CallKey) -> list[str]:
         if [p for p, _ in olds] == [p for p, _ in news] and olds != news:
             paths = leaf_paths(spec, new.in_tree, static=True)
             reasons += [f"static argument leaf {path} changed: {a!r} -> {b!r}"
-                        for path, (_, a), (_, b) in zip(paths, olds, news) if a != b]
+                        for path, (_, a), (_, b) in zip(paths, olds, news, strict=True) if a != b]
         else:
             reasons.append(f"argument structure changed: {old.in_tree} -> {new.in_tree}")
     else:
         paths = leaf_paths(spec, new.in_tree)
-        for path, a, b in zip(paths, old.leaves, new.leaves):
+        for path, a, b in zip(paths, old.leaves, new.leaves, strict=True):
             if a != b:
                 reasons.append(f"argument {path} changed: {key_text(a)} -> {key_text(b)}")
     if old.static != new.static:
@@ -352,7 +352,7 @@ def describe_key_change(spec: ArgSpec, old: CallKey, new: CallKey) -> list[str]:
                 reasons.append(f"static argument {name} changed: {old_s.get(k)!r} -> {new_s.get(k)!r}")
     if old.autocast != new.autocast:
         reasons.append(f"autocast changed: {old.autocast or 'off'} -> {new.autocast or 'off'}")
-    for (name, a), (_, b) in zip(old.options, new.options):
+    for (name, a), (_, b) in zip(old.options, new.options, strict=True):
         if a != b:
             reasons.append(f"option aotgrad.config.{name} changed: {a!r} -> {b!r}")
     return reasons or ["no previous entry matched"]

@@ -87,7 +87,7 @@ def run_overhead(spec: OverheadSpec, partitioners: Sequence[str],
         base = summarize(samples[PEER]).median
         for name, xs in samples.items():
             st = summarize(xs)
-            paired = statistics.median(a / b for a, b in zip(xs, samples[PEER]))
+            paired = statistics.median(a / b for a, b in zip(xs, samples[PEER], strict=True))
             rows.append(OverheadRow(name, mode, st, st.median / base, paired))
     return rows
 

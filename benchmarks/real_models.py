@@ -117,7 +117,7 @@ def compare(model: RealModel, plain: Trained, compiled: Trained) -> Comparison:
     if want[1] != got[1]:
         return Comparison(False, loss_diff, float("nan"), f"state structures differ: {want[1]} vs {got[1]}")
     state_diff, mismatch = 0.0, None if loss_ok else f"losses {compiled.losses} vs {plain.losses}"
-    for (path, a), (_, b) in zip(got[0], want[0]):
+    for (path, a), (_, b) in zip(got[0], want[0], strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         if a.size:
             state_diff = max(state_diff, float(np.max(np.abs(a - b))))

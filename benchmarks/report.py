@@ -69,11 +69,11 @@ def format_table(rows: Sequence[Row]) -> str:
         if len(cells) != len(HEADER):
             return "  ".join([cells[0].ljust(widths[0]), cells[1].ljust(widths[1]), cells[2]])
         return "  ".join(c.rjust(w) if i in RIGHT else c.ljust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
 
     out = [line(HEADER), "  ".join("-" * w for w in widths)]
     last = None
-    for r, cells in zip(rows, body):
+    for r, cells in zip(rows, body, strict=True):
         if last is not None and r.workload != last:
             out.append("")
         out.append(line(cells))
@@ -155,7 +155,7 @@ def plot(path: str, rows: Sequence[Row]) -> str:
         ax.axis("off")
     handles = {}
     for ax in axes.flat:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(lab, h)
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 4), frameon=False)
     fig.tight_layout(rect=(0, 0.04 * (1 + len(handles) // 4), 1, 1))

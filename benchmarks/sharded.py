@@ -76,7 +76,7 @@ def contenders(params: Any, data: Any) -> dict[str, tuple[Callable[[], Any], int
 
     fwd, bwd = jax.fwd_and_bwd(mlp_loss, argnums=0)
     _, residuals = fwd(params, data)
-    leaves = [a for a, m in zip(jax.tree.leaves(residuals), _input_mask(params, data)) if not m]
+    leaves = [a for a, m in zip(jax.tree.leaves(residuals), _input_mask(params, data), strict=True) if not m]
     out["jax_fwd_and_bwd"] = (lambda: bwd(fwd(params, data)[1], ct), sum(a.nbytes for a in leaves),
                               _per_device(leaves))
     for name in aotgrad.partitioners():

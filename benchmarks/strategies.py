@@ -260,9 +260,9 @@ def _jax_peer(w: Workload, memory: bool) -> Prepared:
                  f"counting all as activations",)
         mask = [False] * len(leaves)
     theirs = {_buffer(x) for x in jax.tree.leaves((w.params, w.batch))}
-    copied = sum(x.nbytes for x, m in zip(leaves, mask) if m and _buffer(x) not in theirs | {None})
-    saved = SavedBytes(activations=sum(x.nbytes for x, m in zip(leaves, mask) if not m),
-                       inputs=sum(x.nbytes for x, m in zip(leaves, mask) if m), arrays=len(leaves),
+    copied = sum(x.nbytes for x, m in zip(leaves, mask, strict=True) if m and _buffer(x) not in theirs | {None})
+    saved = SavedBytes(activations=sum(x.nbytes for x, m in zip(leaves, mask, strict=True) if not m),
+                       inputs=sum(x.nbytes for x, m in zip(leaves, mask, strict=True) if m), arrays=len(leaves),
                        inputs_copied=copied)
     if copied:
         notes += (f"the residuals hold copies of {copied / 1e6:.2f} MB of inputs (new buffers: extra memory)",)
@@ -319,8 +319,8 @@ def _aotgrad(name: str, partitioner: str, w: Workload, memory: bool) -> Prepared
         inputs = jax.tree.leaves((w.params, w.batch))
         leaves = jax.tree.leaves(saved_tree)
         is_input = [any(x is i for i in inputs) for x in leaves]
-        measured = SavedBytes(activations=sum(x.nbytes for x, m in zip(leaves, is_input) if not m),
-                              inputs=sum(x.nbytes for x, m in zip(leaves, is_input) if m),
+        measured = SavedBytes(activations=sum(x.nbytes for x, m in zip(leaves, is_input, strict=True) if not m),
+                              inputs=sum(x.nbytes for x, m in zip(leaves, is_input, strict=True) if m),
                               arrays=len(leaves))
         del saved_tree
         # The same differentiation pattern as fwd_and_bwd(argnums=0): `batch` is closed

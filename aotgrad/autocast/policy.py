@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Union
 
 import jax.extend.core.primitives as P
+from jax.extend.core import Primitive
 
 from aotgrad._jax_internals import jax_primitives
 from aotgrad._jax_internals import primitives as I
@@ -59,7 +60,7 @@ _PROMOTE = {p: PROMOTE for p in (P.concatenate_p, P.scatter_p, P.scatter_add_p, 
 _MATMULS = {P.dot_general_p: LOWER, P.conv_general_dilated_p: LOWER,
             **{p: LOWER for p in jax_primitives().get("ragged_dot_general", ())}}
 
-def _gpu_lists() -> dict[Any, Rule]:
+def _gpu_lists() -> dict[Primitive, Rule]:
     """PyTorch's CUDA lists; the tpu table starts from them too (XLA's lists are close)."""
     return {
         **_MATMULS,
@@ -73,7 +74,7 @@ def _gpu_lists() -> dict[Any, Rule]:
     }
 
 
-_CPU: dict[Any, Rule] = {
+_CPU: dict[Primitive, Rule] = {
     **_MATMULS,
     **{p: FP32 for p in (P.fft_p, P.cholesky_p, P.qr_p, P.svd_p, P.eig_p, P.eigh_p, P.lu_p,
                          P.triangular_solve_p, P.householder_product_p, P.reduce_prod_p)},
@@ -155,10 +156,10 @@ NEUTRAL = NEUTRAL | frozenset(p for name, found in jax_primitives().items() if n
 # The tables, public and extensible: see `register`. Each device type has its own table:
 # tpu starts from the gpu lists but does not follow later changes to gpu's (register a
 # policy for each device type it should apply to).
-TABLES: dict[str, dict[Any, Rule]] = {"gpu": _gpu_lists(), "cpu": _CPU, "tpu": _gpu_lists()}
+TABLES: dict[str, dict[Primitive, Rule]] = {"gpu": _gpu_lists(), "cpu": _CPU, "tpu": _gpu_lists()}
 
 
-def table(device_type: str) -> Mapping[Any, Rule]:
+def table(device_type: str) -> Mapping[Primitive, Rule]:
     """The rule table of a device type (read-only view; change it with `register`)."""
     from types import MappingProxyType
     return MappingProxyType(TABLES[parse_device_type(device_type, "aotgrad.autocast_policy_table", allow_none=False)])
@@ -188,7 +189,7 @@ def register(device_type: str, primitive: Any, policy: Rule | None) -> None:
     TABLES[name][primitive] = policy
 
 
-def policy_for(device_type: str, primitive: Any, params: Mapping[str, Any]) -> str | None:
+def policy_for(device_type: str, primitive: Primitive, params: Mapping[str, Any]) -> str | None:
     """The policy of one equation under `device_type`'s table (None: no entry)."""
     rule = TABLES[device_type].get(primitive)
     return rule(params) if callable(rule) else rule

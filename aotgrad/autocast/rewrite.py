@@ -19,7 +19,7 @@ import jax
 import jax.extend.core.primitives as P
 import numpy as np
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var
 
 from aotgrad._jax_internals import bind_eqn, eqn_context, name_scopes, scan_params, wrap_like
 from aotgrad.autocast.context import _MARKERS, Setting, setting_of
@@ -104,7 +104,7 @@ class Rewriter:
         if rule is not None:
             return rule(self, eqn, invals, setting, constant)
         if _has_body(eqn):  # a body typed for its declared inputs, and no rule for it
-            return bind_eqn(eqn, [self.restore(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)])
+            return bind_eqn(eqn, [self.restore(x, v.aval.dtype) for x, v in zip(invals, eqn.invars, strict=True)])
         return self.op(eqn, invals, setting, constant)
 
     def op(self, eqn: JaxprEqn, invals: list[Any], setting: Setting | None,
@@ -116,14 +116,14 @@ class Rewriter:
         if policy in (LOWER, FP32):
             target = setting.np_dtype if policy == LOWER else _F32
             vals = [self._to(x, atom, target, policy) if _aval_of(x, atom).dtype in _ELIGIBLE else x
-                    for x, atom in zip(vals, eqn.invars)]
+                    for x, atom in zip(vals, eqn.invars, strict=True)]
         if eqn.primitive not in _NO_PROMOTE:
             vals = self._promote(eqn, vals, constant)
         params = _adjust_params(eqn, vals, policy, setting)
         if params is not eqn.params:
             eqn = eqn.replace(params=params)
         if eqn.primitive in _SCATTERS and any(_aval_of(x, a).dtype != a.aval.dtype
-                                              for x, a in zip(vals, eqn.invars)):
+                                              for x, a in zip(vals, eqn.invars, strict=True)):
             return [_SCATTERS[eqn.primitive](*vals, **_scatter_kwargs(eqn.params))]
         if setting is not None and _accumulates_in_16_bits(eqn, vals):
             return self._accumulate_fp32(eqn, vals)
@@ -133,7 +133,7 @@ class Rewriter:
         """A summing reduction of a 16-bit value: accumulated in float32, its result cast
         back to the 16-bit type, so the types downstream are those of the 16-bit op."""
         half = _aval_of(vals[0], eqn.invars[0]).dtype
-        wide = [self._to(x, a, _F32, ACCUMULATE_FP32) for x, a in zip(vals, eqn.invars)]
+        wide = [self._to(x, a, _F32, ACCUMULATE_FP32) for x, a in zip(vals, eqn.invars, strict=True)]
         return [self.cast(o, half, ACCUMULATE_FP32) for o in bind_eqn(eqn, wide)]
 
     def _to(self, x: Any, atom: Any, dtype: np.dtype, why: str) -> Any:
@@ -144,7 +144,7 @@ class Rewriter:
     def _promote(self, eqn: JaxprEqn, vals: list[Any], constant: Sequence[bool]) -> list[Any]:
         """Casts floating inputs to the join of their types; weakly typed values and
         constants follow the others, as in JAX's own promotion."""
-        avals = [_aval_of(x, a) for x, a in zip(vals, eqn.invars)]
+        avals = [_aval_of(x, a) for x, a in zip(vals, eqn.invars, strict=True)]
         floats = [i for i, a in enumerate(avals) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating)]
         if len({avals[i].dtype for i in floats}) < 2:
             return vals
@@ -203,7 +203,7 @@ def _adjust_params(eqn: JaxprEqn, vals: list[Any], policy: str | None, setting: 
 # ----------------------------------------------------------------------------- scatter
 # Scatter equations carry a combiner jaxpr typed for their declared dtypes; rebuilt
 # through `lax` when their dtypes change.
-_SCATTERS: dict[Any, Callable[..., Any]] = {
+_SCATTERS: dict[Primitive, Callable[..., Any]] = {
     P.scatter_p: lax.scatter, P.scatter_add_p: lax.scatter_add, P.scatter_mul_p: lax.scatter_mul,
     P.scatter_min_p: lax.scatter_min, P.scatter_max_p: lax.scatter_max,
 }
@@ -246,10 +246,10 @@ def _scan(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
 
     def step(carry: list, x: list) -> tuple[list, list]:
         outs = rw.eval_closed(p.body, [*consts, *carry, *x], setting)
-        return [rw.restore(c, d) for c, d in zip(outs[:ncar], dtypes)], outs[ncar:]
+        return [rw.restore(c, d) for c, d in zip(outs[:ncar], dtypes, strict=True)], outs[ncar:]
 
     with eqn_context(eqn):
-        carry, ys = lax.scan(step, [rw.restore(c, d) for c, d in zip(init, dtypes)], xs,
+        carry, ys = lax.scan(step, [rw.restore(c, d) for c, d in zip(init, dtypes, strict=True)], xs,
                              length=p.length, reverse=p.reverse, unroll=p.unroll)
     return [*carry, *ys]
 
@@ -266,10 +266,10 @@ def _while(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
 
     def body(carry: list) -> list:
         outs = rw.eval_closed(p["body_jaxpr"], [*bconsts, *carry], setting)
-        return [rw.restore(c, d) for c, d in zip(outs, dtypes)]
+        return [rw.restore(c, d) for c, d in zip(outs, dtypes, strict=True)]
 
     with eqn_context(eqn):
-        return list(lax.while_loop(cond, body, [rw.restore(c, d) for c, d in zip(init, dtypes)]))
+        return list(lax.while_loop(cond, body, [rw.restore(c, d) for c, d in zip(init, dtypes, strict=True)]))
 
 
 def _cond(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
@@ -278,7 +278,7 @@ def _cond(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
     dtypes = [v.aval.dtype for v in eqn.outvars]
 
     def branch(closed: ClosedJaxpr, *xs: Any) -> list:
-        return [rw.restore(o, d) for o, d in zip(rw.eval_closed(closed, xs, setting), dtypes)]
+        return [rw.restore(o, d) for o, d in zip(rw.eval_closed(closed, xs, setting), dtypes, strict=True)]
 
     with eqn_context(eqn):
         return list(lax.switch(index, [functools.partial(branch, b) for b in eqn.params["branches"]], *ops))
@@ -297,14 +297,14 @@ def _custom_jvp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | No
 
     def jvp_jaxpr_fun(*zeros: bool) -> tuple[Any, Any, Any]:
         jaxpr, consts, out_zeros = old_jvp.call_wrapped(*zeros)
-        tangent_avals = [a.to_tangent_aval() for a, z in zip(primal_avals, zeros) if not z]
-        tangent_dtypes = [d for d, z in zip(out_dtypes, out_zeros) if not z]
+        tangent_avals = [a.to_tangent_aval() for a, z in zip(primal_avals, zeros, strict=True) if not z]
+        tangent_dtypes = [d for d, z in zip(out_dtypes, out_zeros, strict=True) if not z]
 
         def run(*args: Any) -> list:
             outs = rw.eval_jaxpr(jaxpr, consts, args, setting)
             primals, tangents = outs[:len(out_dtypes)], outs[len(out_dtypes):]
-            return ([rw.restore(o, d) for o, d in zip(primals, out_dtypes)]
-                    + [rw.restore(t, d) for t, d in zip(tangents, tangent_dtypes)])
+            return ([rw.restore(o, d) for o, d in zip(primals, out_dtypes, strict=True)]
+                    + [rw.restore(t, d) for t, d in zip(tangents, tangent_dtypes, strict=True)])
 
         new = jax.make_jaxpr(run)(*primal_avals, *tangent_avals)
         return new.jaxpr, new.consts, out_zeros
@@ -318,13 +318,13 @@ def _custom_vjp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | No
     """The function and its forward rule are rewritten inside declared boundaries (inputs,
     outputs, residuals); the user's backward is traced later, as part of the backward."""
     p = eqn.params
-    invals = [rw.restore(x, v.aval.dtype) for x, v in zip(invals, eqn.invars)]
+    invals = [rw.restore(x, v.aval.dtype) for x, v in zip(invals, eqn.invars, strict=True)]
 
     def bounded(jaxpr: Jaxpr, consts: Sequence[Any]) -> ClosedJaxpr:
         dtypes = [v.aval.dtype for v in jaxpr.outvars]
 
         def run(*xs: Any) -> list:
-            return [rw.restore(o, d) for o, d in zip(rw.eval_jaxpr(jaxpr, consts, xs, setting), dtypes)]
+            return [rw.restore(o, d) for o, d in zip(rw.eval_jaxpr(jaxpr, consts, xs, setting), dtypes, strict=True)]
         return jax.make_jaxpr(run)(*[v.aval for v in jaxpr.invars])
 
     old_fwd = p["fwd_jaxpr_thunk"]
@@ -358,11 +358,11 @@ def constant_vars(jaxpr: Jaxpr, constant_args: Sequence[bool] = ()) -> set[Var]:
             outs = [isinstance(o, Literal) or o in inner for o in body.outvars]
         else:
             outs = [all(flags)] * len(eqn.outvars)
-        constant.update(v for v, c in zip(eqn.outvars, outs) if c and isinstance(v, Var))
+        constant.update(v for v, c in zip(eqn.outvars, outs, strict=True) if c and isinstance(v, Var))
     return constant
 
 
-STRUCTURAL: dict[Any, Rule] = {
+STRUCTURAL: dict[Primitive, Rule] = {
     **{prim: _inline(param) for prim, param in CALL_BODIES.items()},
     P.remat_p: _remat, P.scan_p: _scan, P.while_p: _while, P.cond_p: _cond,
     P.custom_jvp_call_p: _custom_jvp, P.custom_vjp_call_p: _custom_vjp,
@@ -407,7 +407,7 @@ def rewrite_backward(program: ClosedJaxpr, n_cotangents: int,
             return rw.eqn(eqn, invals, choose(eqn), _flags(eqn, constant))
 
         outs = eval_jaxpr(jaxpr, program.consts, args, bind=bind)
-        return [rw.restore(o, v.aval.dtype) for o, v in zip(outs, jaxpr.outvars)]
+        return [rw.restore(o, v.aval.dtype) for o, v in zip(outs, jaxpr.outvars, strict=True)]
 
     new = jax.make_jaxpr(run)(*[v.aval for v in jaxpr.invars])
     return new, ordered(rw.counts)

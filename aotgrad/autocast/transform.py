@@ -49,7 +49,7 @@ def autocast_transform(fn: Callable, ctx: "autocast") -> Callable:
 
         def flat(*dyn: Any) -> list:
             full = list(leaves)
-            for i, x in zip(dynamic, dyn):
+            for i, x in zip(dynamic, dyn, strict=True):
                 full[i] = x
             a, k = tree_unflatten(tree, full)
             out, t = tree_flatten(fn(*a, **k))

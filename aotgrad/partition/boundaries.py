@@ -38,7 +38,7 @@ def post_dominators(problem: Problem) -> list[int | None]:
     for k, e in enumerate(problem.producer):
         made_by[e].append(k)
     successors: list[list[int]] = [[] for _ in range(n)]
-    for v, e in zip(*problem.edges):
+    for v, e in zip(*problem.edges, strict=True):
         successors[v].extend(made_by[e])
     ipdom: list[int | None] = [None] * n + [sink]
 
@@ -81,4 +81,4 @@ def boundaries(problem: Problem) -> np.ndarray:
     nbytes = problem.nbytes[path]
     wide = nbytes[nbytes > 0]
     limit = float(np.median(wide)) if len(wide) else 0.0
-    return np.asarray(sorted(k for k, b in zip(path, nbytes) if 0 < b <= limit), np.int64)
+    return np.asarray(sorted(k for k, b in zip(path, nbytes, strict=True) if 0 < b <= limit), np.int64)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax.extend.core.primitives as P
 import numpy as np
+from jax.extend.core import Primitive
 
 from aotgrad.partition.rules import Kind, sub_jaxprs
 
@@ -25,8 +27,10 @@ CHEAP_PER_BYTE = 1 / 16  # a fused elementwise op: a little compute, no extra tr
 # Transcendental functions cost tens of instructions per element: recomputing one costs
 # about as much time as moving its output once more on a CPU.
 TRANSCENDENTAL_PER_BYTE = 1.0
-TRANSCENDENTAL = frozenset("""exp exp2 expm1 log log1p tanh logistic erf erfc erf_inv sin cos tan
-    asin acos atan atan2 sinh cosh asinh acosh atanh pow lgamma digamma""".split())
+TRANSCENDENTAL: frozenset[Primitive] = frozenset({
+    P.exp_p, P.exp2_p, P.expm1_p, P.log_p, P.log1p_p, P.tanh_p, P.logistic_p, P.erf_p, P.erfc_p, P.erf_inv_p,
+    P.sin_p, P.cos_p, P.tan_p, P.asin_p, P.acos_p, P.atan_p, P.atan2_p, P.sinh_p, P.cosh_p, P.asinh_p,
+    P.acosh_p, P.atanh_p, P.pow_p, P.lgamma_p, P.digamma_p})
 MOVE_PER_BYTE = 0.5  # a copy into a new layout, often fused into its consumer
 RANDOM_PER_BYTE = 4.0  # counter-based hashing: tens of integer ops per 32-bit word
 FLOPS_PER_BYTE = 16.0  # machine balance: FLOPs that cost as much time as moving one byte
@@ -57,7 +61,7 @@ def recompute_cost(eqn: Any, kind: Kind) -> float:
     """Byte-equivalent cost of running `eqn` again in the backward; inf if it must not be."""
     out = sum(nbytes(v.aval) for v in eqn.outvars)
     if kind is Kind.CHEAP:
-        per_byte = TRANSCENDENTAL_PER_BYTE if eqn.primitive.name in TRANSCENDENTAL else CHEAP_PER_BYTE
+        per_byte = TRANSCENDENTAL_PER_BYTE if eqn.primitive in TRANSCENDENTAL else CHEAP_PER_BYTE
         return per_byte * out
     if kind is Kind.MOVE:
         return MOVE_PER_BYTE * out
@@ -72,26 +76,26 @@ def recompute_cost(eqn: Any, kind: Kind) -> float:
 
 def flops(eqn: Any) -> float:
     """Estimated floating-point operations of one equation."""
-    name = eqn.primitive.name
+    prim = eqn.primitive
     out_elems = sum(math.prod(getattr(v.aval, "shape", ())) for v in eqn.outvars)
-    if name == "dot_general":
+    if prim is P.dot_general_p:
         (contract, _), _ = eqn.params["dimension_numbers"]
         lhs_shape = eqn.invars[0].aval.shape
         return 2.0 * out_elems * math.prod(lhs_shape[d] for d in contract)
-    if name == "conv_general_dilated":
+    if prim is P.conv_general_dilated_p:
         rhs = eqn.invars[1].aval.shape
         spec = eqn.params["dimension_numbers"].rhs_spec  # (out feature, in feature, spatial...)
         window = math.prod(rhs[d] for d in spec[2:])
         return 2.0 * out_elems * window * rhs[spec[1]]
-    if name in ("sort", "argsort", "top_k"):
+    if prim in (P.sort_p, P.top_k_p):
         n = max(eqn.invars[0].aval.shape[-1:] or (1,))
         return out_elems * max(1.0, math.log2(max(n, 2)))
     bodies = sub_jaxprs(eqn)
     if bodies:
         body = max(sum(flops(e) for e in j.eqns) for j in bodies)  # cond: the costlier branch
-        if name == "scan":
+        if prim is P.scan_p:
             return body * eqn.params["length"]
-        if name == "while":
+        if prim is P.while_p:
             return body * WHILE_TRIPS
         return body
     return float(out_elems)

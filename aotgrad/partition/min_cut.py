@@ -101,13 +101,13 @@ class Problem:
 
     @functools.cached_property
     def save_costs(self) -> np.ndarray:
-        return np.asarray([costs.save_cost(v.aval, bool(w)) for v, w in zip(self.values, self.written)],
-                          np.float64)
+        return np.asarray([costs.save_cost(v.aval, bool(w))
+                           for v, w in zip(self.values, self.written, strict=True)], np.float64)
 
     def recompute_costs(self, allow_costly: bool) -> np.ndarray:
         """Per equation; compute-bound equations are infinite unless `allow_costly`."""
         out = []
-        for i, kind in zip(self.eqns, self.kinds):
+        for i, kind in zip(self.eqns, self.kinds, strict=True):
             if kind is Kind.COSTLY and not allow_costly:
                 out.append(np.inf)
             else:

@@ -25,7 +25,7 @@ import jax
 import jax.extend.core.primitives as P
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Primitive, Var
 
 from aotgrad._jax_internals import bind_eqn, name_scopes, scan_params
 from aotgrad.interpret import Rule, eval_jaxpr, sub_jaxprs
@@ -44,10 +44,10 @@ SEGMENTS = _SCOPE + "carry saved every {every} of {length} iterations"
 _SEGMENTS_AT = SEGMENTS[:SEGMENTS.index("{")]
 
 
-def partition_scans(cut: BodyCut, budget: Budget) -> dict[Any, Rule]:
+def partition_scans(cut: BodyCut, budget: Budget) -> dict[Primitive, Rule]:
     """Evaluation rules (see `interpret.eval_jaxpr`) that re-bind every scan with its
     body cut by `cut` at `budget`; nested scans are cut the same way."""
-    rules: dict[Any, Rule] = {}
+    rules: dict[Primitive, Rule] = {}
 
     def scan_rule(eqn: JaxprEqn, invals: list) -> list:
         p = scan_params(eqn)
@@ -99,7 +99,8 @@ def _segmented(body: Callable, init: list, xs: list, length: int, every: int, op
         carry, ys = jax.lax.scan(segment, carry, x, length=count, reverse=options["reverse"])
         ys_parts[start] = [a.reshape(count * size, *a.shape[2:]) for a in ys]
     ordered = [ys_parts[start] for start in sorted(ys_parts)]
-    return carry, [jax.numpy.concatenate(arrays) if len(arrays) > 1 else arrays[0] for arrays in zip(*ordered)]
+    return carry, [jax.numpy.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+                   for arrays in zip(*ordered, strict=True)]
 
 
 def _eval_named(body: ClosedJaxpr, args: Any, rules: dict) -> list:
@@ -111,7 +112,7 @@ def _eval_named(body: ClosedJaxpr, args: Any, rules: dict) -> list:
     def named(evaluate: Rule) -> Rule:
         def rule(eqn: JaxprEqn, invals: list) -> list:
             return [checkpoint_name(val, f"{_PREFIX}{position[v]}") if _nameable(eqn, v) else val
-                    for v, val in zip(eqn.outvars, evaluate(eqn, invals))]
+                    for v, val in zip(eqn.outvars, evaluate(eqn, invals), strict=True)]
         return rule
 
     return eval_jaxpr(jaxpr, body.consts, args, {p: named(r) for p, r in rules.items()}, bind=named(bind_eqn))

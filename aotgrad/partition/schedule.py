@@ -136,7 +136,7 @@ def _tie_by_barrier(values: list, after: Any, saved: Sequence[bool]) -> list:
     fusions (on a GPU, a GPT's step moved 1.28x the fused step's bytes, 1.13x without)."""
     if not any(saved):
         return list(values)
-    held = iter(jax.lax.optimization_barrier([*(x for x, s in zip(values, saved) if s), after]))
+    held = iter(jax.lax.optimization_barrier([*(x for x, s in zip(values, saved, strict=True) if s), after]))
     return [next(held) if s else x for x, s in zip(values, saved, strict=True)]
 
 
