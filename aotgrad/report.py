@@ -87,13 +87,17 @@ class Report:
     # (primitive, the rule it fell back to) for primitives of the joint graph that have no
     # recompute rule (`partition/rules.py`), e.g. a library's own primitive.
     fallback_rules: tuple[tuple[str, str], ...] = ()
+    # The device profile the programs were decided for (`aotgrad.devices`: "cpu", "h100",
+    # ...): the arguments' devices, a compile-only target's included; None for a loaded export.
+    device: str | None = None
 
     def __str__(self) -> str:
         rows = [("#", "shape", "dtype", "bytes", "kind", "produced by", "source", "why")]
         for i, s in enumerate(self.saved):
             rows.append((str(i), str(list(s.shape)), s.dtype, f"{s.nbytes:,}",
                          "input" if s.is_input else "activation", s.primitive, s.source, s.reason))
-        lines = [f"aotgrad.explain({self.function}), partitioner={self.partitioner!r}", *_table(rows)]
+        device = f", device={self.device!r}" if self.device is not None else ""
+        lines = [f"aotgrad.explain({self.function}), partitioner={self.partitioner!r}{device}", *_table(rows)]
         lines.append(f"saved activations: {_mb(self.saved_bytes)} in "
                      f"{sum(not s.is_input for s in self.saved)} arrays; saved inputs: "
                      f"{_mb(self.saved_input_bytes)} in {sum(s.is_input for s in self.saved)} arrays")
@@ -197,4 +201,5 @@ def _report(f: AOTFunction, call: Any, paths: list[str], pair: ProgramPair, timi
         recomputed=sp.recomputed, recompute_groups=sp.recompute_groups,
         scan_segments=segment_schedules(sp.forward.jaxpr), timings=timings, casts=pair.casts, memory=memory,
         fallback_rules=tuple((name, FALLBACK.value) for name in without_rule([pair.graph.closed.jaxpr])),
+        device=pair.graph.device.name if pair.graph.device is not None else None,
         backward_by_op=backward_costs(sp.backward.jaxpr, len(pair.graph.cotangents)) if costs else None)

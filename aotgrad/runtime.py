@@ -21,6 +21,7 @@ from aotgrad import anomaly
 from aotgrad.autocast.backward import autocast_backward
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.config import Snapshot, config
+from aotgrad.devices import DeviceProfile, profile_of
 from aotgrad.errors import BudgetUnreachable
 from aotgrad.hooks import ArgLayout, Hooks, InForce, with_hooks
 from aotgrad.partition import JointGraph, Split, partition, scan_rules, without_cotangents
@@ -63,7 +64,8 @@ def _placed_elsewhere(x: Any) -> bool:
 
 
 def _other_scan_levels(unreachable: BudgetUnreachable, fwd: ForwardTrace, perturbed: tuple[bool, ...],
-                       has_ct: tuple[bool, ...], strategy: str, budget: Any) -> tuple[JointGraph, Split]:
+                       has_ct: tuple[bool, ...], strategy: str, budget: Any,
+                       device: DeviceProfile) -> tuple[JointGraph, Split]:
     """A byte budget no plan met with the scans cut at that budget: the scans took their
     share before the rest of the step was planned. Each scan at its lowest, then at its
     highest level, may still fit; else the error names the smallest peak of all three."""
@@ -72,7 +74,7 @@ def _other_scan_levels(unreachable: BudgetUnreachable, fwd: ForwardTrace, pertur
         rules = scan_rules(strategy, level)
         if rules is None:
             break
-        graph = trace_joint(fwd, perturbed, has_ct, rules)
+        graph = trace_joint(fwd, perturbed, has_ct, rules, device)
         try:
             return graph, partition(graph, strategy, budget)
         except BudgetUnreachable as e:
@@ -114,12 +116,13 @@ class ProgramPair:
               has_ct: tuple[bool, ...], options: Snapshot) -> "ProgramPair":
         t0 = time.perf_counter()
         strategy, budget = options["partitioner"], options["activation_memory_budget"]
-        graph = trace_joint(fwd, perturbed, has_ct, scan_rules(strategy, budget))
+        device = profile_of(fwd.in_avals)  # the arguments' devices: a compile-only target's too
+        graph = trace_joint(fwd, perturbed, has_ct, scan_rules(strategy, budget), device)
         t1 = time.perf_counter()
         try:
             sp = partition(graph, strategy, budget)
         except BudgetUnreachable as e:
-            graph, sp = _other_scan_levels(e, fwd, perturbed, has_ct, strategy, budget)
+            graph, sp = _other_scan_levels(e, fwd, perturbed, has_ct, strategy, budget, device)
         t2 = time.perf_counter()
         mode = options["backward_pass_autocast"]
         sp, casts = autocast_backward(sp, fwd, mode)

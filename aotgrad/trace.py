@@ -14,6 +14,7 @@ from jax.tree_util import tree_flatten
 from aotgrad._jax_internals import bind_eqn
 from aotgrad.autocast.context import Setting
 from aotgrad.autocast.rewrite import has_markers, rewrite_closed
+from aotgrad.devices import DeviceProfile
 from aotgrad.interpret import INLINE_RULES, eval_jaxpr
 from aotgrad.partition import JointGraph
 from aotgrad.provenance import numbered
@@ -76,7 +77,7 @@ def differentiable(aval: Any) -> bool:
 
 
 def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[bool],
-                rules: dict | None = None) -> JointGraph:
+                rules: dict | None = None, device: DeviceProfile | None = None) -> JointGraph:
     """Traces (inputs..., cotangents...) -> (outputs..., cotangents of perturbed inputs...).
 
     `perturbed[i]`: input i is differentiated. `has_ct[j]`: output j receives a cotangent
@@ -109,7 +110,7 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
     # Inline nested jit / closed_call so the partitioner sees every primitive.
     inlined = jax.make_jaxpr(lambda *xs: eval_jaxpr(closed.jaxpr, closed.consts, xs, INLINE_RULES))(
         *in_avals, *ct_avals)
-    return JointGraph(inlined, n_inputs=len(in_avals), n_outs=len(fwd.out_avals))
+    return JointGraph(inlined, n_inputs=len(in_avals), n_outs=len(fwd.out_avals), device=device)
 
 
 def _zero_cotangent(aval: Any) -> Any:

@@ -123,5 +123,24 @@ def test_recomputation_moves_no_more_bytes_than_a_checkpoint_policy():
                               strategies=strategies, log=lambda _: None)
     fused, policy, default = (r for r in rows)
     assert default.bytes_accessed <= 1.01 * policy.bytes_accessed, (default, policy)
-    assert default.bytes_accessed <= 1.02 * fused.bytes_accessed, (default, fused)
+    assert default.bytes_accessed <= 1.05 * fused.bytes_accessed, (default, fused)
     assert default.peak <= 1.01 * policy.peak < fused.peak, (default, policy, fused)
+
+
+def test_the_default_moves_about_the_fused_steps_bytes_on_the_h100(h100_args):
+    """Built for the H100, a recomputed value a backward matmul reads costs its write and
+    read (the device profile's `matmul_operands_cost`): the default is the plan that moves
+    the fewest bytes, within 1.05x of the fused step (before: 1.13x on the suite's GPT),
+    at a peak no higher than the fused step's. Built for the host's CPU, the same function
+    keeps its lower peak: the two are separate cache entries."""
+    from aotgrad._jax_internals import hlo_cost
+    w, args = h100_args
+    fused = jax.jit(jax.value_and_grad(w.loss_fn)).lower(*args).compile()
+    f = aotgrad.compile(w.loss_fn)
+    default = jax.jit(jax.value_and_grad(f)).lower(*args).compile()
+    assert hlo_cost(default)["bytes accessed"] <= 1.05 * hlo_cost(fused)["bytes accessed"]
+    assert xla_peak(default.memory_analysis()) <= xla_peak(fused.memory_analysis())
+    host = aotgrad.explain(f, w.params, w.batch)
+    target = aotgrad.explain(f, *args)
+    assert (host.device, target.device) == ("cpu", "h100")
+    assert host.saved_bytes < target.saved_bytes

@@ -13,6 +13,8 @@ from typing import Callable, Iterable
 
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 
+from aotgrad.devices import DeviceProfile
+
 __all__ = ["JointGraph", "live_eqns", "reachable"]
 
 
@@ -21,6 +23,7 @@ class JointGraph:
     closed: ClosedJaxpr
     n_inputs: int  # leading invars: the function's inputs (closed-over constants first)
     n_outs: int  # leading outvars: the function's outputs; the rest are input cotangents
+    device: DeviceProfile | None = None  # what the programs are built for (None: not known)
 
     @property
     def eqns(self) -> list[JaxprEqn]:

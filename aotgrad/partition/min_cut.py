@@ -43,17 +43,24 @@ class Problem:
     edges: tuple[np.ndarray, np.ndarray]  # (value position, equation position): v is read by e
     needed: np.ndarray  # value positions the backward reads
     written: np.ndarray  # per value: written to memory in the forward anyway (bool)
+    operands: np.ndarray  # value positions a backward matmul (or other opaque equation) reads
+    operands_cost: bool  # a recomputed one is written to memory and read back in the backward
 
     @classmethod
-    def of(cls, graph: JointGraph) -> "Problem":
+    def of(cls, graph: JointGraph, operands_cost: bool = False) -> "Problem":
+        """`operands_cost`: recomputing a value a backward matmul reads costs its write and
+        read there (the device's `matmul_operands_cost`)."""
         dependent = graph.input_dependent
         eqns, kinds, values, producer = [], [], [], []
         position: dict[Var, int] = {}
         needed = set()
+        operands = set()  # forward values a backward matmul reads
         widened: set[Var] = set()  # values computed from 16-bit floats widened to 32 bits
         for i, eqn in enumerate(graph.eqns):
             if graph.is_backward_eqn(eqn):  # its forward inputs must be available there
                 needed.update(position[v] for v in _vars(eqn.invars) if v in position)
+                if kind_of(eqn) in (Kind.COSTLY, Kind.UNSAFE):
+                    operands.update(position[v] for v in _vars(eqn.invars) if v in position)
                 continue
             if _from_widened(eqn, widened):
                 widened.update(_vars(eqn.outvars))
@@ -84,7 +91,8 @@ class Problem:
                 written[position[v]] = True
         return cls(graph, tuple(eqns), tuple(kinds), tuple(values), np.asarray(producer, np.int64),
                    (np.asarray(reads_v, np.int64), np.asarray(reads_e, np.int64)),
-                   np.asarray(sorted(needed), np.int64), written)
+                   np.asarray(sorted(needed), np.int64), written, np.asarray(sorted(operands), np.int64),
+                   operands_cost)
 
     @functools.cached_property
     def position(self) -> dict[Var, int]:
@@ -112,7 +120,10 @@ class Problem:
                 out.append(np.inf)
             else:
                 out.append(costs.recompute_cost(self.graph.eqns[i], kind))
-        return np.asarray(out, np.float64)
+        out = np.asarray(out, np.float64)
+        if self.operands_cost:  # its producer's recomputation also writes it and reads it back
+            np.add.at(out, self.producer[self.operands], 2 * self.nbytes[self.operands])
+        return out
 
     def full_cut(self) -> "Cut":
         """The runtime-optimal cut: compute-bound equations are never recomputed."""
@@ -242,7 +253,9 @@ def min_cut(graph: JointGraph, budget: Budget = 1.0, stacked: bool = False) -> d
     """The "min_cut" strategy: the cheapest saved set in bytes moved; with a budget below
     1 or in bytes, a lower step peak at the least recompute cost (see `budget.py`).
     `stacked`: the graph is a scan body, whose saved set is held once per iteration."""
-    problem = Problem.of(graph)
+    # A scan body's saved values are written into their stacks anyway: no extra charge there.
+    device = graph.device
+    problem = Problem.of(graph, device is not None and device.matmul_operands_cost and not stacked)
     if not isinstance(budget, Bytes) and budget >= 1.0:
         return problem.full_cut().reasons()
     from aotgrad.partition.budget import within_budget

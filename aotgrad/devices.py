@@ -1,0 +1,114 @@
+"""Which device a step is built for, and what that device is like.
+
+A step's programs are decided for the devices it is lowered for, not the host: the
+arguments' shardings (a compile-only H100 topology's devices included), else the mesh in
+context, else the default backend. `profile_of` finds that device; `PROFILES` holds what
+aotgrad knows of each (a frozen table; each number with its source).
+
+What differs between devices today:
+- how recomputation waits for its cotangent (`partition/schedule.py`: data ties where XLA
+  removes barriers, on CPU; barriers elsewhere): chosen again at lowering, per platform;
+- whether a recomputed value that a backward matmul reads costs its write and read
+  (`matmul_operands_cost`): on GPU and TPU step time follows the bytes a step moves, and a
+  matmul reads its operands from memory, so a recomputed operand is written there and read
+  back; a saved one was written in the forward anyway (it was a forward matmul's operand
+  too). On XLA:CPU the recomputed operands cost no step time we could measure (real models
+  at the default budget within 1.01x of plain jit), so there the lower peak is kept.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import jax
+
+__all__ = ["PROFILES", "DeviceProfile", "profile_named", "profile_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """One kind of device. FLOP/s are dense (no sparsity) matmul peaks per operand dtype."""
+    name: str
+    platform: str  # "cpu", "gpu" or "tpu"
+    device_kinds: tuple[str, ...]  # substrings of `Device.device_kind` that name it
+    matmul_flops: tuple[tuple[str, float], ...] = ()  # (dtype, FLOP/s); empty: not known
+    memory_bandwidth: float | None = None  # bytes/s
+    memory_bytes: int | None = None  # per device
+    matmul_operands_cost: bool = False  # see the module docstring
+
+    def flops(self, dtype: str) -> float | None:
+        return dict(self.matmul_flops).get(dtype)
+
+    def balance(self, dtype: str = "float32") -> float | None:
+        """FLOPs the device computes in the time it moves one byte (None: not known)."""
+        f = self.flops(dtype)
+        return f / self.memory_bandwidth if f and self.memory_bandwidth else None
+
+
+_T = 1e12
+PROFILES: tuple[DeviceProfile, ...] = (
+    # The host's CPU: no fixed numbers (any x86 or ARM machine).
+    DeviceProfile("cpu", "cpu", ("cpu",)),
+    # NVIDIA H100 SXM5 80GB datasheet: HBM3 3.35 TB/s; dense TF32 494.7, BF16/FP16 989.4
+    # TFLOP/s (float32 matmuls run as TF32 at JAX's default precision on GPUs).
+    DeviceProfile("h100", "gpu", ("H100",), (("float32", 494.7 * _T), ("bfloat16", 989.4 * _T),
+                                             ("float16", 989.4 * _T)), 3.35e12, 80 * 2**30, True),
+    # NVIDIA A100 SXM4 80GB datasheet: HBM2e 2,039 GB/s; dense TF32 156, BF16/FP16 312 TFLOP/s.
+    DeviceProfile("a100", "gpu", ("A100",), (("float32", 156 * _T), ("bfloat16", 312 * _T),
+                                             ("float16", 312 * _T)), 2.039e12, 80 * 2**30, True),
+    # Google Cloud TPU v5e documentation: 197 TFLOP/s bf16, HBM 16 GiB at 819 GB/s
+    # (float32 matmuls run as one bf16 pass at JAX's default precision on TPUs).
+    DeviceProfile("tpu-v5e", "tpu", ("v5 lite", "v5e"), (("float32", 197 * _T), ("bfloat16", 197 * _T)),
+                  819e9, 16 * 2**30, True),
+    # Any other GPU or TPU: its numbers are not known, its compiler's habits are.
+    DeviceProfile("gpu", "gpu", (), matmul_operands_cost=True),
+    DeviceProfile("tpu", "tpu", (), matmul_operands_cost=True),
+)
+
+
+def profile_named(name: str) -> DeviceProfile:
+    for p in PROFILES:
+        if p.name == name:
+            return p
+    raise ValueError(f"no device profile {name!r}; known: {[p.name for p in PROFILES]}")
+
+
+def _match(platform: str, device_kind: str) -> DeviceProfile:
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    for p in PROFILES:
+        if p.platform == platform and any(k.lower() in device_kind.lower() for k in p.device_kinds):
+            return p
+    return next((p for p in PROFILES if p.name == platform), PROFILES[0])
+
+
+def _device_of(x: Any) -> tuple[str, str] | None:
+    """(platform, device kind) of the devices `x` is placed on (a concrete array, a
+    ShapeDtypeStruct, an abstract value or a traced value, whose type's sharding names an
+    abstract mesh's device); None where not placed."""
+    try:
+        sharding = x.sharding if not isinstance(x, jax.core.Tracer) else jax.typeof(x).sharding
+    except Exception:  # no sharding (a Python scalar), or none available on this value
+        return None
+    device = getattr(getattr(sharding, "mesh", None), "abstract_device", None)
+    if device is not None:
+        return device.platform, device.device_kind
+    try:
+        devices = sharding.device_set
+    except (AttributeError, ValueError):  # an abstract mesh without devices
+        return None
+    d = next(iter(devices), None)
+    return (d.platform, d.device_kind) if d is not None else None
+
+
+def profile_of(leaves: Iterable[Any]) -> DeviceProfile:
+    """The profile of the devices these argument leaves are placed on (the first placed
+    leaf decides), else of the mesh in context, else of the default backend's device."""
+    for x in leaves:
+        found = _device_of(x)
+        if found is not None:
+            return _match(*found)
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is not None:
+        return _match(device.platform, device.device_kind)
+    d = jax.devices()[0]
+    return _match(d.platform, d.device_kind)
