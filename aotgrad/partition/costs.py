@@ -19,6 +19,7 @@ import jax.extend.core.primitives as P
 import numpy as np
 from jax.extend.core import Primitive
 
+from aotgrad._jax_internals import primitives as I
 from aotgrad.partition.rules import Kind, sub_jaxprs
 
 __all__ = ["FLOPS_PER_BYTE", "flops", "nbytes", "recompute_cost", "save_cost"]
@@ -30,7 +31,9 @@ TRANSCENDENTAL_PER_BYTE = 1.0
 TRANSCENDENTAL: frozenset[Primitive] = frozenset({
     P.exp_p, P.exp2_p, P.expm1_p, P.log_p, P.log1p_p, P.tanh_p, P.logistic_p, P.erf_p, P.erfc_p, P.erf_inv_p,
     P.sin_p, P.cos_p, P.tan_p, P.asin_p, P.acos_p, P.atan_p, P.atan2_p, P.sinh_p, P.cosh_p, P.asinh_p,
-    P.acosh_p, P.atanh_p, P.pow_p, P.lgamma_p, P.digamma_p})
+    P.acosh_p, P.atanh_p, P.pow_p, P.lgamma_p, P.digamma_p,
+    # jnp.log2 is one primitive since jax 0.11 (before: log and a division)
+    *(p for p in (I.log2_p,) if p is not None)})
 MOVE_PER_BYTE = 0.5  # a copy into a new layout, often fused into its consumer
 RANDOM_PER_BYTE = 4.0  # counter-based hashing: tens of integer ops per 32-bit word
 FLOPS_PER_BYTE = 16.0  # machine balance: FLOPs that cost as much time as moving one byte
