@@ -26,7 +26,7 @@ from aotgrad.runtime import Entry, ProgramPair, Saved, Timings
 from aotgrad.signature import (ArgSpec, CallKey, ArrayImpl, Static, argnum_positions, aval_key, describe_key_change,
                                key_distance, key_text, leaf_key, leaf_paths, normalize_argnums, static_leaves,
                                unwrap_static)
-from aotgrad.trace import trace_forward
+from aotgrad.pipeline import trace_forward
 
 __all__ = ["AOTFunction", "CacheInfo", "Compiled", "Lowered", "compile", "fwd_and_bwd"]
 
@@ -64,6 +64,7 @@ class AOTFunction:
     backward program. Programs are built once per signature (argument structure, shapes,
     dtypes, static arguments, and the options in `aotgrad.config` that change programs).
     """
+    reads_autocast_when_traced = True  # `autocast(...)(f)` enters the context around the call
 
     def __init__(self, fn: Callable, *, static_argnums: int | Sequence[int] = (),
                  static_argnames: str | Sequence[str] = (),
@@ -98,7 +99,7 @@ class AOTFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._nnx is not False and has_graph_nodes(args, kwargs):
             if self._nnx is None:
-                self._nnx = NnxCall(self)
+                self._nnx = NnxCall(self, AOTFunction)
             return self._nnx(args, kwargs)
         call = self._resolve(args, kwargs)
         entry = call.entry
@@ -264,7 +265,6 @@ class AOTFunction:
     def resolved(self, args: tuple, kwargs: dict) -> tuple[_Call, list[str]]:
         """For `aotgrad.explain`: the cache entry and flat inputs of a call (built on a
         miss), and the pytree path of each argument leaf."""
-        from aotgrad.signature import leaf_paths
         call = self._resolve(args, kwargs)
         return call, leaf_paths(self._spec, call.entry.in_tree)
 

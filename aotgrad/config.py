@@ -19,7 +19,9 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from aotgrad import jit_key
+from aotgrad.autocast.context import parse_device_type, parse_dtype  # the one autocast validator
 from aotgrad.errors import ConfigError
+from aotgrad.partition import PARTITIONERS  # the registry decides what is valid
 from aotgrad.partition.budget import Bytes, parse_bytes
 
 __all__ = ["Config", "ConfigError", "Snapshot", "config"]
@@ -118,7 +120,6 @@ def _autocast_kwargs(value: Any, where: str) -> tuple[tuple[str, Any], ...]:
     if unknown:
         raise ConfigError(f"{where} has unknown keys {unknown}; valid keys are {list(AUTOCAST_KEYS)}.")
     out: dict[str, Any] = {}
-    from aotgrad.autocast.context import parse_device_type, parse_dtype  # the one autocast validator
     try:
         device = value.get("device_type")
         out["device_type"] = None if device is None else parse_device_type(device, f"{where}['device_type']")
@@ -157,7 +158,6 @@ def _env_json_or_text(text: str) -> Any:
 
 
 def _partitioner_names() -> tuple[str, ...]:
-    from aotgrad.partition import PARTITIONERS  # the registry decides what is valid
     return tuple(PARTITIONERS)
 
 

@@ -50,8 +50,8 @@ class NnxCall:
     """Calls one compiled function whose arguments hold graph nodes: the function aotgrad
     traces takes the nodes' states and returns (output, updated Variables)."""
 
-    def __init__(self, owner: "AOTFunction") -> None:
-        from aotgrad.api import AOTFunction
+    def __init__(self, owner: "AOTFunction", compiled: Callable[..., "AOTFunction"]) -> None:
+        """`compiled`: the class that compiles the inner function (`api.AOTFunction`)."""
         self.name = owner.name
         self._spec = owner._spec
         fn = owner._fn
@@ -67,7 +67,7 @@ class NnxCall:
             self._check_structure(pure_args, pure_kwargs, args, kwargs)
             return out, extract.get_updates(current, snapshot)
 
-        self.inner = AOTFunction(on_states, static_argnums=owner._spec.static_argnums,
+        self.inner = compiled(on_states, static_argnums=owner._spec.static_argnums,
                                  static_argnames=owner._spec.static_argnames, donate_argnums=owner._donate,
                                  python_scalars=owner._spec.python_scalars)
         self.inner._nnx = False

@@ -164,8 +164,8 @@ def explain(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None
         argnums: the positional arguments differentiated (as in `jax.grad` or
             `aotgrad.fwd_and_bwd`); by default every floating-point input.
     """
-    from aotgrad.export import Exported  # (it imports this module)
-    if isinstance(fn, Exported):  # no source: the report made when it was exported
+    if isinstance(fn, AOTFunction) and hasattr(fn, "explain"):
+        # a loaded export (`export.Exported`): no source, the report made when it was exported
         return fn.explain(*args, argnums=argnums, **kwargs)
     f = fn if isinstance(fn, AOTFunction) else AOTFunction(fn)
     call, paths = f.resolved(args, kwargs)

@@ -17,16 +17,13 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import SingleDeviceSharding
 from jax.tree_util import tree_leaves, tree_unflatten
 
-from aotgrad import anomaly
-from aotgrad.autocast.backward import autocast_backward
+from aotgrad import anomaly, pipeline
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.config import Snapshot, config
-from aotgrad.devices import DeviceProfile, profile_of
-from aotgrad.errors import BudgetUnreachable
 from aotgrad.hooks import ArgLayout, Hooks, InForce, with_hooks
-from aotgrad.partition import JointGraph, Split, partition, scan_rules, without_cotangents
+from aotgrad.partition import JointGraph, Split, without_cotangents
 from aotgrad.signature import ArrayImpl
-from aotgrad.trace import ForwardTrace, differentiable, trace_joint
+from aotgrad.trace import ForwardTrace, differentiable
 
 __all__ = ["Backward", "Entry", "GuardedBackward", "ProgramPair", "Saved", "Timings"]
 
@@ -63,25 +60,6 @@ def _placed_elsewhere(x: Any) -> bool:
     return len(devices) > 1 or not devices <= set(jax.devices())
 
 
-def _other_scan_levels(unreachable: BudgetUnreachable, fwd: ForwardTrace, perturbed: tuple[bool, ...],
-                       has_ct: tuple[bool, ...], strategy: str, budget: Any,
-                       device: DeviceProfile) -> tuple[JointGraph, Split]:
-    """A byte budget no plan met with the scans cut at that budget: the scans took their
-    share before the rest of the step was planned. Each scan at its lowest, then at its
-    highest level, may still fit; else the error names the smallest peak of all three."""
-    smallest = unreachable.smallest
-    for level in (0.0, 1.0):
-        rules = scan_rules(strategy, level)
-        if rules is None:
-            break
-        graph = trace_joint(fwd, perturbed, has_ct, rules, device)
-        try:
-            return graph, partition(graph, strategy, budget)
-        except BudgetUnreachable as e:
-            smallest = min(smallest, e.smallest)
-    raise BudgetUnreachable(unreachable.budget, smallest) from None
-
-
 @dataclasses.dataclass(eq=False)
 class ProgramPair:
     """A forward and a backward program for one signature and one choice of differentiated
@@ -114,22 +92,10 @@ class ProgramPair:
     @classmethod
     def build(cls, owner: str, fwd: ForwardTrace, perturbed: tuple[bool, ...],
               has_ct: tuple[bool, ...], options: Snapshot) -> "ProgramPair":
-        t0 = time.perf_counter()
-        strategy, budget = options["partitioner"], options["activation_memory_budget"]
-        device = profile_of(fwd.in_avals)  # the arguments' devices: a compile-only target's too
-        graph = trace_joint(fwd, perturbed, has_ct, scan_rules(strategy, budget), device)
-        t1 = time.perf_counter()
-        try:
-            sp = partition(graph, strategy, budget)
-        except BudgetUnreachable as e:
-            graph, sp = _other_scan_levels(e, fwd, perturbed, has_ct, strategy, budget, device)
-        t2 = time.perf_counter()
-        mode = options["backward_pass_autocast"]
-        sp, casts = autocast_backward(sp, fwd, mode)
-        t3 = time.perf_counter()
-        return cls(owner, perturbed, has_ct, graph, sp, Timings(trace=t1 - t0 + t3 - t2, partition=t2 - t1),
-                   tuple(fwd.in_avals), casts, options["donate_saved"], options["detect_anomaly"],
-                   lambda variant: autocast_backward(variant, fwd, mode)[0])
+        built = pipeline.build(fwd, perturbed, has_ct, options)
+        return cls(owner, perturbed, has_ct, built.graph, built.split,
+                   Timings(trace=built.trace_s, partition=built.partition_s), tuple(fwd.in_avals), built.casts,
+                   options["donate_saved"], options["detect_anomaly"], built.autocast)
 
     def backward_without(self, present: tuple[bool, ...]) -> Any:
         """The backward program's jaxpr taking only the cotangents marked present: every

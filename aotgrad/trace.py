@@ -1,10 +1,10 @@
-"""How the graph is traced: the forward function once per signature (rewritten under the
-autocast setting in force), then the joint graph (forward and VJP together) once per
-choice of differentiated inputs."""
+"""How the graph is traced: the forward function once per signature, then the joint graph
+(forward and VJP together) once per choice of differentiated inputs. The autocast rewrite
+of the forward is applied above this module (`pipeline.trace_forward`)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -12,15 +12,16 @@ from jax.extend.core import ClosedJaxpr
 from jax.tree_util import tree_flatten
 
 from aotgrad._jax_internals import bind_eqn
-from aotgrad.autocast.context import Setting
-from aotgrad.autocast.rewrite import has_markers, rewrite_closed
 from aotgrad.devices import DeviceProfile
 from aotgrad.interpret import INLINE_RULES, eval_jaxpr
-from aotgrad.partition import JointGraph
+from aotgrad.partition.graph import JointGraph
 from aotgrad.provenance import numbered
 from aotgrad.signature import check_output_leaves
 
-__all__ = ["ForwardTrace", "differentiable", "trace_forward", "trace_joint"]
+if TYPE_CHECKING:
+    from aotgrad.autocast.context import Setting
+
+__all__ = ["ForwardTrace", "differentiable", "trace_body_joint", "trace_forward", "trace_joint"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -49,10 +50,12 @@ class ForwardTrace:
 
 
 def trace_forward(flat_fn: Callable[..., Any], fn_name: str, avals: Sequence[Any],
+                  rewrite: Callable[[ClosedJaxpr], tuple[ClosedJaxpr, tuple[tuple[str, int], ...]]] | None = None,
                   autocast: Setting | None = None) -> ForwardTrace:
     """Traces `flat_fn(*leaves) -> pytree` once; hoists its closed-over arrays to inputs.
-    Under an autocast setting (or with autocast contexts inside the function) the trace is
-    rewritten, so the forward-only program and the joint graph both see the casts."""
+    `rewrite(closed) -> (closed, casts)`, when given, rewrites the trace before its
+    constants are hoisted (the autocast rewrite, `pipeline.trace_forward`), so the
+    forward-only program and the joint graph both see the casts."""
     out_tree_box = []
 
     def flat_out(*leaves: Any) -> list[Any]:
@@ -64,8 +67,8 @@ def trace_forward(flat_fn: Callable[..., Any], fn_name: str, avals: Sequence[Any
 
     closed = jax.make_jaxpr(flat_out)(*avals)
     casts: tuple[tuple[str, int], ...] = ()
-    if autocast is not None or has_markers(closed.jaxpr):
-        closed, casts = rewrite_closed(closed, avals, autocast)
+    if rewrite is not None:
+        closed, casts = rewrite(closed)
     consts = tuple(closed.consts)
     in_avals = tuple(jax.typeof(c) for c in consts) + tuple(avals)
     return ForwardTrace(closed, consts, in_avals, out_tree_box[0], autocast, casts)
@@ -111,6 +114,14 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
     inlined = jax.make_jaxpr(lambda *xs: eval_jaxpr(closed.jaxpr, closed.consts, xs, INLINE_RULES))(
         *in_avals, *ct_avals)
     return JointGraph(inlined, n_inputs=len(in_avals), n_outs=len(fwd.out_avals), device=device)
+
+
+def trace_body_joint(closed: ClosedJaxpr, avals: Sequence[Any]) -> JointGraph:
+    """The joint graph of `closed` (no hoisted constants; inputs of `avals`: a scan body,
+    `partition.scan`), every inexact input differentiated and every inexact output given
+    a cotangent."""
+    fwd = ForwardTrace(closed, (), tuple(avals), None)
+    return trace_joint(fwd, tuple(map(differentiable, avals)), tuple(map(differentiable, closed.out_avals)))
 
 
 def _zero_cotangent(aval: Any) -> Any:

@@ -1,5 +1,6 @@
-"""Which autocast setting is in force: the `autocast` context manager / decorator, its
-per-thread state, and the name-scope markers that record it on traced equations.
+"""Which autocast setting is in force: the per-thread state the `autocast` context manager
+(`autocast.transform`) enters, and the name-scope markers that record it on traced
+equations.
 
 The state lives in a `contextvars.ContextVar`, so each thread (and each asyncio task)
 has its own. While a context is entered it also enters a `jax.named_scope` marker; every
@@ -9,10 +10,9 @@ equation ran under (see `setting_of`).
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -20,8 +20,8 @@ import numpy as np
 from aotgrad import jit_key
 from aotgrad._jax_internals import name_scopes
 
-__all__ = ["DEFAULT_DTYPES", "DEVICE_TYPES", "DTYPES", "AutocastState", "Setting", "autocast",
-           "current_setting", "current_state", "parse_device_type", "parse_dtype", "setting_from_kwargs",
+__all__ = ["DEFAULT_DTYPES", "DEVICE_TYPES", "DTYPES", "AutocastState", "Setting", "current_setting",
+           "current_state", "parse_device_type", "parse_dtype", "setting_from_kwargs",
            "setting_of"]
 
 DEVICE_TYPES = ("cpu", "gpu", "tpu")
@@ -137,64 +137,3 @@ def setting_from_kwargs(contexts: tuple[tuple[tuple[str, Any], ...], ...]) -> Se
         state = state.enter(parse_device_type(kw.get("device_type")), parse_dtype(kw.get("dtype")),
                             bool(kw.get("enabled", True)))
     return state.setting
-
-
-# ----------------------------------------------------------------------------- the context
-
-class autocast:
-    """Per-op mixed precision: matmuls and convolutions in 16 bits, numerically sensitive
-    ops in float32, mixed inputs promoted, following the policy table of `device_type`.
-
-    As a context manager it applies to `aotgrad.compile`d functions traced inside it (the
-    setting is part of their cache key). As a decorator on a plain JAX function it is a
-    trace-time transform, usable under `jax.jit`, `jax.grad` and `jax.vmap`. Nesting:
-    the inner context wins; leaving a context restores the outer state exactly. The
-    state is per thread.
-
-    Arguments:
-        device_type: "cpu", "gpu" (aliases "cuda", "rocm") or "tpu": selects the policy
-            table (it does not move data). None: the default backend.
-        dtype: `jnp.float16` or `jnp.bfloat16`. None: the enclosing context's dtype for
-            this device type, else the device default (gpu float16, cpu and tpu bfloat16).
-        enabled: False turns casting off inside the context.
-    """
-
-    def __init__(self, device_type: str | None = None, dtype: Any = None, enabled: bool = True) -> None:
-        if not isinstance(enabled, (bool, np.bool_)):
-            raise TypeError(f"aotgrad.autocast: enabled must be True or False; got {enabled!r}.")
-        self._device_arg = device_type
-        if device_type is not None:
-            parse_device_type(device_type)  # fail early on a bad name
-        self.dtype = parse_dtype(dtype)
-        self.enabled = bool(enabled)
-        self._stack: list[tuple[contextvars.Token, contextlib.ExitStack]] = []
-
-    @property
-    def device_type(self) -> str:
-        return parse_device_type(self._device_arg)
-
-    def __enter__(self) -> AutocastState:
-        state = _STATE.get().enter(self.device_type, self.dtype, self.enabled)
-        token = _STATE.set(state)
-        scope = contextlib.ExitStack()
-        scope.enter_context(jax.named_scope(state.setting.marker if state.setting else OFF_MARKER))
-        self._stack.append((token, scope))
-        jit_key.set_autocast(state)
-        return state
-
-    def __exit__(self, *exc: object) -> None:
-        token, scope = self._stack.pop()
-        scope.close()
-        _STATE.reset(token)
-        jit_key.set_autocast(_STATE.get())
-
-    def __call__(self, fn: Callable) -> Callable:
-        if not callable(fn):
-            raise TypeError(f"aotgrad.autocast(...) decorates a callable; got {type(fn).__name__} ({fn!r}).")
-        from aotgrad.autocast.transform import autocast_transform  # the transform needs the rewrite
-        return autocast_transform(fn, self)
-
-    def __repr__(self) -> str:
-        return (f"aotgrad.autocast(device_type={self._device_arg!r}, dtype={self.dtype}, "
-                f"enabled={self.enabled})")
-

@@ -15,7 +15,7 @@ from aotgrad.partition.budget import Budget
 from aotgrad.partition.vjp import save_what_backward_reads
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import min_cut
-from aotgrad.partition.scan import partition_scans
+from aotgrad.partition.scan import BodyTrace, partition_scans
 from aotgrad.partition.split import Split, split, without_cotangents
 
 __all__ = ["PARTITIONERS", "JointGraph", "Registration", "Split", "partition", "partitioners",
@@ -74,8 +74,9 @@ def partition(graph: JointGraph, strategy: str, budget: Budget = 1.0) -> Split:
     return split(graph, PARTITIONERS[strategy](graph, budget))
 
 
-def scan_rules(strategy: str, budget: Budget) -> dict | None:
-    """Rules that cut each scan body with `strategy` before the joint graph is traced."""
+def scan_rules(strategy: str, budget: Budget, trace_body: BodyTrace) -> dict | None:
+    """Rules that cut each scan body with `strategy` before the joint graph is traced;
+    `trace_body` traces a body's joint graph (`trace.trace_body_joint`)."""
     if strategy not in _CUTS_SCAN_BODIES:
         return None
-    return partition_scans(PARTITIONERS[strategy], budget)
+    return partition_scans(PARTITIONERS[strategy], budget, trace_body)

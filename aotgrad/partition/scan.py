@@ -32,10 +32,13 @@ from aotgrad.interpret import Rule, eval_jaxpr, sub_jaxprs
 from aotgrad.partition import costs
 from aotgrad.partition.budget import Budget, ScanSchedule, scan_schedule
 
-__all__ = ["BodyCut", "is_cut_scan", "partition_scans"]
+__all__ = ["BodyCut", "BodyTrace", "is_cut_scan", "partition_scans"]
 
 # (joint graph of a body, budget, stacked=True) -> {saved joint value: reason}
 BodyCut = Callable[[Any, float, bool], dict[Var, str]]
+# (body with named values, its input avals) -> its joint graph (`trace.trace_body_joint`,
+# passed in by the pipeline: tracing sits below the passes)
+BodyTrace = Callable[[ClosedJaxpr, list], Any]
 
 _PREFIX = "aotgrad_scan_value_"
 # The name scope of a scan split into checkpointed segments (read back by `segment_schedules`).
@@ -44,9 +47,10 @@ SEGMENTS = _SCOPE + "carry saved every {every} of {length} iterations"
 _SEGMENTS_AT = SEGMENTS[:SEGMENTS.index("{")]
 
 
-def partition_scans(cut: BodyCut, budget: Budget) -> dict[Primitive, Rule]:
+def partition_scans(cut: BodyCut, budget: Budget, trace_body: BodyTrace) -> dict[Primitive, Rule]:
     """Evaluation rules (see `interpret.eval_jaxpr`) that re-bind every scan with its
-    body cut by `cut` at `budget`; nested scans are cut the same way."""
+    body cut by `cut` at `budget`; nested scans are cut the same way. `trace_body` traces
+    a body's joint graph."""
     rules: dict[Primitive, Rule] = {}
 
     def scan_rule(eqn: JaxprEqn, invals: list) -> list:
@@ -55,7 +59,8 @@ def partition_scans(cut: BodyCut, budget: Budget) -> dict[Primitive, Rule]:
         if body.jaxpr.effects:  # a body with effects cannot be checkpointed: jax.vjp's residuals
             return bind_eqn(eqn, invals)
         nc, ncar = p.n_consts, p.n_carry
-        names, schedule = _cut_names(body, cut, budget, rules, p.length, carries=p.carries)
+        names, schedule = _cut_names(body, cut, budget, rules, p.length, carries=p.carries,
+                                    trace_body=trace_body)
 
         policy = jax.checkpoint_policies.save_only_these_names(*names)
         step = jax.checkpoint(lambda *xs: _eval_named(body, xs, rules), policy=policy)
@@ -126,14 +131,12 @@ def _nameable(eqn: JaxprEqn, v: Any) -> bool:
 
 
 def _cut_names(body: ClosedJaxpr, cut: BodyCut, budget: Budget, rules: dict, length: int,
-               carries: slice) -> tuple[tuple[str, ...], ScanSchedule]:
+               carries: slice, trace_body: BodyTrace) -> tuple[tuple[str, ...], ScanSchedule]:
     """The scan's schedule at `budget`, and the names of the body values its cut saves
     per iteration. `carries`: the positions of the carries among the body's inputs."""
-    from aotgrad.trace import ForwardTrace, differentiable, trace_joint
     avals = [v.aval for v in body.jaxpr.invars]
     named = jax.make_jaxpr(lambda *xs: _eval_named(body, xs, rules))(*avals)
-    fwd = ForwardTrace(named, (), tuple(avals), None)
-    graph = trace_joint(fwd, tuple(map(differentiable, avals)), tuple(map(differentiable, named.out_avals)))
+    graph = trace_body(named, avals)
     inputs = set(graph.inputs)
     carry = sum(costs.nbytes(a) for a in avals[carries])
     sliced = sum(costs.nbytes(a) for a in (*avals[carries.stop:], *body.out_avals[carries.stop - carries.start:]))

@@ -1,0 +1,106 @@
+"""The steps that build a program pair, in order: trace the forward (rewritten under the
+autocast setting in force), trace the joint graph (scan bodies cut first), partition it,
+and rewrite the backward under `config.backward_pass_autocast`. The passes below
+(`partition`, `autocast`) know nothing of each other; this module runs them in turn."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+from aotgrad.autocast.context import Setting, setting_from_kwargs, setting_of
+from aotgrad.autocast.rewrite import CastCounts, has_markers, rewrite_backward, rewrite_closed
+from aotgrad.config import Snapshot
+from aotgrad.devices import DeviceProfile, profile_of
+from aotgrad.errors import BudgetUnreachable
+from aotgrad.partition import JointGraph, Split, partition, scan_rules
+from aotgrad.trace import ForwardTrace, trace_body_joint, trace_joint
+from aotgrad.trace import trace_forward as _trace
+
+__all__ = ["Built", "autocast_backward", "build", "trace_forward"]
+
+
+def trace_forward(flat_fn: Callable[..., Any], fn_name: str, avals: Sequence[Any],
+                  autocast: Setting | None = None) -> ForwardTrace:
+    """`trace.trace_forward`, rewritten under `autocast` (or under the autocast contexts
+    inside the function), so the forward-only program and the joint graph both see the
+    casts."""
+    def rewrite(closed: Any) -> tuple[Any, tuple[tuple[str, int], ...]]:
+        if autocast is not None or has_markers(closed.jaxpr):
+            return rewrite_closed(closed, avals, autocast)
+        return closed, ()
+    return _trace(flat_fn, fn_name, avals, rewrite, autocast)
+
+
+def autocast_backward(split: Split, fwd: ForwardTrace, mode: Any) -> tuple[Split, CastCounts]:
+    """The split with its backward program rewritten under `config.backward_pass_autocast`
+    (`mode`): "off" leaves it as traced (its dtypes follow the forward's casts);
+    "same_as_forward" rewrites each cotangent-dependent equation under the setting its
+    forward equation ran under (its autocast marker, else the forward's setting); nested
+    contexts (a tuple of keyword tuples) rewrite all of them under one setting.
+
+    Only the backward program changes: the partitioner chose the saved set, so the forward program is the same in every mode, and forward values the
+    backward recomputes are re-bound unchanged: the forward's own equations.
+    """
+    if mode == "off":
+        return split, CastCounts(fwd.casts)
+    if mode == "same_as_forward":
+        if fwd.autocast is None and not has_markers(split.backward.jaxpr):
+            return split, CastCounts(fwd.casts)
+        choose = lambda eqn: setting_of(eqn, fwd.autocast)  # noqa: E731
+    else:
+        fixed = setting_from_kwargs(mode)
+        choose = lambda eqn: fixed  # noqa: E731
+    backward, casts = rewrite_backward(split.backward, split.n_cotangents, choose)
+    return dataclasses.replace(split, backward=backward), CastCounts(fwd.casts, casts)
+
+
+def _other_scan_levels(unreachable: BudgetUnreachable, fwd: ForwardTrace, perturbed: tuple[bool, ...],
+                       has_ct: tuple[bool, ...], strategy: str, budget: Any,
+                       device: DeviceProfile) -> tuple[JointGraph, Split]:
+    """A byte budget no plan met with the scans cut at that budget: the scans took their
+    share before the rest of the step was planned. Each scan at its lowest, then at its
+    highest level, may still fit; else the error names the smallest peak of all three."""
+    smallest = unreachable.smallest
+    for level in (0.0, 1.0):
+        rules = scan_rules(strategy, level, trace_body_joint)
+        if rules is None:
+            break
+        graph = trace_joint(fwd, perturbed, has_ct, rules, device)
+        try:
+            return graph, partition(graph, strategy, budget)
+        except BudgetUnreachable as e:
+            smallest = min(smallest, e.smallest)
+    raise BudgetUnreachable(unreachable.budget, smallest) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """What `build` made for one program pair."""
+    graph: JointGraph
+    split: Split  # with the backward rewritten under backward_pass_autocast
+    casts: CastCounts
+    trace_s: float  # seconds tracing (the joint graph and the backward's rewrite)
+    partition_s: float  # seconds partitioning
+    autocast: Callable[[Split], Split]  # rewrites another split's backward the same way
+
+
+def build(fwd: ForwardTrace, perturbed: tuple[bool, ...], has_ct: tuple[bool, ...],
+          options: Snapshot) -> Built:
+    """The joint graph of `fwd` for this choice of differentiated inputs and cotangents,
+    partitioned by the options' strategy and budget, its backward autocast."""
+    t0 = time.perf_counter()
+    strategy, budget = options["partitioner"], options["activation_memory_budget"]
+    device = profile_of(fwd.in_avals)  # the arguments' devices: a compile-only target's too
+    graph = trace_joint(fwd, perturbed, has_ct, scan_rules(strategy, budget, trace_body_joint), device)
+    t1 = time.perf_counter()
+    try:
+        sp = partition(graph, strategy, budget)
+    except BudgetUnreachable as e:
+        graph, sp = _other_scan_levels(e, fwd, perturbed, has_ct, strategy, budget, device)
+    t2 = time.perf_counter()
+    mode = options["backward_pass_autocast"]
+    sp, casts = autocast_backward(sp, fwd, mode)
+    t3 = time.perf_counter()
+    return Built(graph, sp, casts, t1 - t0 + t3 - t2, t2 - t1,
+                 lambda variant: autocast_backward(variant, fwd, mode)[0])
