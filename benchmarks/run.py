@@ -46,7 +46,7 @@ flags.DEFINE_integer("repeats", None, "Interleaved timing rounds per workload (o
 flags.DEFINE_string("out", DEFAULT_OUT, "Where to write the JSON results.")
 flags.DEFINE_string("plot", None, "Write a PNG plot (step peak memory vs step time) here; needs matplotlib.")
 flags.DEFINE_string("target", None, "Compile every strategy for a compile-only accelerator instead of running "
-                    "on this machine: 'h100' (needs the gpu-target extra) or 'tpu-v5e' (needs jax[tpu]); "
+                    "on this machine: 'h100' or 'a100' (need the gpu-target extra) or 'tpu-v5e' (needs jax[tpu]); "
                     "prints per-device peak, bytes accessed, FLOPs and compile time.")
 flags.DEFINE_integer("devices", 1, "With --target: devices of the target's topology.")
 flags.DEFINE_enum("sharding", "dp", ["dp", "fsdp"], "With --target and --devices > 1: data parallel (params "

@@ -49,9 +49,12 @@ class Target:
     def topology(self, devices: int) -> Any:
         from jax.experimental import topologies
         if self.platform == "cuda":
-            path = ROOT.parent / "shared" / "targets" / self.config_file
-            if not path.exists():
-                raise FileNotFoundError(f"target {self.name}: no target description at {path}")
+            # Ours (benchmarks/target_configs), else the shared one beside the repository.
+            places = [ROOT / "benchmarks" / "target_configs", ROOT.parent / "shared" / "targets"]
+            path = next((d / self.config_file for d in places if (d / self.config_file).exists()), None)
+            if path is None:
+                raise FileNotFoundError(f"target {self.name}: no target description {self.config_file} "
+                                        f"in {', '.join(map(str, places))}")
             return topologies.get_topology_desc(platform="cuda", target_config=path.read_text(),
                                                 topology=f"1x1x{devices}")
         side = int(math.isqrt(devices))
@@ -63,6 +66,7 @@ class Target:
 
 TARGETS = {
     "h100": Target("h100", "cuda", "pip install -e '.[gpu-target]'", config_file="h100.txtpb"),
+    "a100": Target("a100", "cuda", "pip install -e '.[gpu-target]'", config_file="a100.txtpb"),
     "tpu-v5e": Target("tpu-v5e", "tpu", "pip install 'jax[tpu]'", tpu_kind="v5e"),
 }
 

@@ -144,3 +144,16 @@ def test_the_default_moves_about_the_fused_steps_bytes_on_the_h100(h100_args):
     target = aotgrad.explain(f, *args)
     assert (host.device, target.device) == ("cpu", "h100")
     assert host.saved_bytes < target.saved_bytes
+
+
+def test_an_a100_target_compiles_and_is_decided_for_the_a100():
+    """`--target a100`: the repository's own A100 description (benchmarks/target_configs)."""
+    from benchmarks import targets
+    rows = targets.run_target("a100", [("mlp", "mlp", dict(batch=64, width=128, depth=3))],
+                              strategies=["fused", "aotgrad:min_cut@1"], log=lambda _: None)
+    assert not any(r.error for r in rows) and all(r.bytes_accessed and r.peak for r in rows)
+    mesh = targets._mesh(targets.TARGETS["a100"], 1)
+    assert [d.device_kind for d in mesh.devices.flat] == ["NVIDIA A100-SXM4-80GB"]
+    from aotgrad.devices import profile_of
+    spec = jax.ShapeDtypeStruct((2,), "float32", sharding=NamedSharding(mesh, PartitionSpec()))
+    assert profile_of([spec]).name == "a100"
