@@ -11,7 +11,6 @@ residuals, so a user's backward receives exactly the types it was written for.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
@@ -23,6 +22,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Va
 
 from aotgrad._jax_internals import bind_eqn, eqn_context, name_scopes, scan_params, wrap_like
 from aotgrad.autocast.context import _MARKERS, Setting, setting_of
+from aotgrad.autocast.counts import CastCounts as CastCounts
 from aotgrad.autocast.policy import ACCUMULATE_FP32, ACCUMULATING, FP32, LOWER, POLICIES, PROMOTE, policy_for
 from aotgrad.interpret import CALL_BODIES, body_of, eval_jaxpr, sub_jaxprs
 
@@ -34,25 +34,6 @@ _F32 = np.dtype(np.float32)
 _HALF = frozenset(np.dtype(d) for d in (jax.numpy.float16, jax.numpy.bfloat16))
 _MATMULS = (P.dot_general_p, P.conv_general_dilated_p)
 _NO_PROMOTE = frozenset({P.sort_p})  # operands of different dtypes are legal and independent
-
-
-@dataclasses.dataclass(frozen=True)
-class CastCounts:
-    """Casts autocast inserted while tracing, by policy (`accumulate_fp32`: around a
-    16-bit summing reduction; `restore`: back to a declared dtype), in the forward and in
-    the backward."""
-    forward: tuple[tuple[str, int], ...] = ()
-    backward: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def total(self) -> int:
-        """All casts, forward and backward."""
-        return sum(n for _, n in self.forward) + sum(n for _, n in self.backward)
-
-    def __str__(self) -> str:
-        def part(counts: tuple[tuple[str, int], ...]) -> str:
-            return ", ".join(f"{p} x{n}" for p, n in counts) or "none"
-        return f"forward: {part(self.forward)}; backward: {part(self.backward)}"
 
 
 def ordered(counts: collections.Counter) -> tuple[tuple[str, int], ...]:

@@ -1,61 +1,32 @@
-"""`aotgrad.export` / `aotgrad.deserialize`: a compiled forward/backward pair that outlives
-the process, loaded without the function's source.
-
-An `Exported` holds three `jax.export` programs (forward-only; forward, returning outputs
-and saved activations; backward, from the saved values and output cotangents to the
-differentiated inputs' cotangents), the values the function closed over, and what is
-needed to call them: the argument and output structures, which inputs are differentiated,
-the saved-value layout, and the `explain` report made when it was exported.
-
-The serialized form (`Exported.serialize()`) is a header and a payload:
-
-    b"AOTGRAD\\0"  format version (u32)  payload length (u64)  SHA-256 of the payload (32 bytes)
-    payload: metadata length (u32), metadata (UTF-8 JSON), then the sections the metadata
-             lists by name, offset and length: the three `jax.export` blobs, one per
-             program, and the raw bytes of each closed-over array
-
-No Python object is pickled: a blob is data, read with `json` and `jax.export.deserialize`.
-"""
+"""The loaded programs of an export: an `Exported` is an `AOTFunction` whose entry holds
+the three `jax.export` programs (in the shape of `runtime.Entry`), so calls, the
+`custom_vjp` glue and `fwd_and_bwd` are the compiled function's own; `deserialize` reads
+one from a blob."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import struct
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.extend.core import jaxpr_as_fun
 from jax.sharding import SingleDeviceSharding
 from jax.tree_util import tree_leaves, tree_structure, tree_unflatten
 
-from aotgrad._jax_internals import Tracer
-from aotgrad.api import AOTFunction, CacheInfo, Lowered, _Call
-from aotgrad.compilation_cache import ensure_compilation_cache
-from aotgrad.config import config
-from aotgrad.partition.costs import nbytes as _nbytes
-from aotgrad.report import Memory, Report, SavedValue, _report
-from aotgrad.runtime import Entry, ProgramPair, Saved, Timings
+from aotgrad.api.function import AOTFunction, CacheInfo, _Call
+from aotgrad.api.stages import Lowered
 from aotgrad.autocast.rewrite import CastCounts
+from aotgrad.compilation_cache import ensure_compilation_cache
+from aotgrad.export.blob import PROGRAMS, ExportError, decode_static, pack, unpack
+from aotgrad.partition.costs import nbytes as _nbytes
+from aotgrad.report import Memory, Report, SavedValue
+from aotgrad.runtime import Entry, Saved, Timings
 from aotgrad.signature import ArgSpec, argnum_positions, leaf_paths
 
-__all__ = ["ExportError", "Exported", "deserialize", "export"]
-
-MAGIC = b"AOTGRAD\0"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<8sIQ32s")  # magic, format version, payload length, SHA-256
-_PROGRAMS = ("forward_only", "forward", "backward")
-
+__all__ = ["Exported", "concrete", "deserialize", "spec"]
 
 _NO_HOOKS = ("aotgrad.Exported({name}): hooks cannot be added to an exported function: its backward "
              "is the exported program, which hooks cannot enter. Transform the gradients after the "
              "backward instead.")
-
-
-class ExportError(ValueError):
-    """An export that cannot be made, a blob that cannot be loaded, or a call that does not
-    match what was exported."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,90 +38,11 @@ class _Forward:
     out_tree: Any
 
 
-# ----------------------------------------------------------------------------- export
-
-def export(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
-           platforms: Sequence[str] | None = None, **kwargs: Any) -> "Exported":
-    """Builds the forward/backward pair of `fn(*args, **kwargs)` under the current
-    `aotgrad.config` and autocast state, and exports it with `jax.export`.
-
-    The result is called and differentiated like an `aotgrad.compile`d function, and
-    `.serialize()` turns it into bytes that `aotgrad.deserialize` loads in another process,
-    without `fn` or its module.
-
-    Arguments:
-        fn: an `aotgrad.compile`d function or a plain one.
-        *args, **kwargs: its arguments: arrays or `jax.ShapeDtypeStruct`s (with shardings for
-            a program over several devices; with `jax.export.symbolic_shape` dimensions for
-            a program of any batch size). Static arguments are fixed at their values here.
-        argnums: the positional arguments differentiated (as in `jax.grad`); by default
-            every floating-point input. Gradients for a subset are available after loading.
-        platforms: the platforms to lower for (`jax.export` names: "cpu", "cuda", "rocm",
-            "tpu"); by default the one this process runs on.
-    """
-    ensure_compilation_cache()
-    if isinstance(fn, Exported):
-        raise TypeError(f"aotgrad.export: {fn!r} is already exported; serialize it instead.")
-    f = fn if isinstance(fn, AOTFunction) else AOTFunction(fn)
-    who = f"aotgrad.export({f.name})"
-    options = config.snapshot()
-    for name in ("donate_saved", "detect_anomaly"):
-        if options[name]:
-            raise ExportError(f"{who}: aotgrad.config.{name}=True is not supported by export (its "
-                              f"backward is guarded by Python code that is not exported); export "
-                              f"under aotgrad.config.patch({name}=False).")
-    if f._hooks.current:
-        raise ExportError(f"{who}: the function has {len(f._hooks.current)} backward hook(s) "
-                          f"({', '.join(h.name for h in f._hooks.current)}); hooks are Python functions "
-                          f"traced into the backward, and an export carries programs only. Remove "
-                          f"them (handle.remove()) before exporting, and apply the same transformation "
-                          f"to the loaded function's gradients.")
-    static, _, _ = f._spec.split(args, kwargs)
-    call, paths = f.resolved(args, kwargs)
-    entry = call.entry
-    if any(isinstance(x, Tracer) for x in call.inputs):
-        raise ExportError(f"{who}: called under a JAX transformation (an argument or a closed-over "
-                          f"value is a tracer); export outside jax.jit / jax.grad, with arrays or "
-                          f"jax.ShapeDtypeStructs.")
-    positions = None
-    if argnums is not None:
-        positions = argnum_positions(who, argnums, len(args))
-    try:
-        pair = entry.pair(entry.perturbed_for(positions), entry.default_has_ct())
-    except Exception as e:
-        if any(not _concrete(x.shape) for x in call.inputs):
-            raise ExportError(
-                f"{who}: building the programs with symbolic dimensions failed under "
-                f"partitioner={entry.strategy!r} ({type(e).__name__}: {e}). Export with concrete "
-                f"shapes, or under aotgrad.config.patch(partitioner='vjp').") from e
-        raise
-    programs = _export_programs(who, entry, pair, call.inputs, platforms)
-    meta = {
-        "name": f.name,
-        "param_names": list(f._spec.param_names),
-        "static_argnums": list(f._spec.static_argnums),
-        "static_argnames": list(f._spec.static_argnames),
-        "python_scalars": f._spec.python_scalars,
-        "static": [[k, _encode_static(who, k, v)] for k, v in static],
-        "arg_positions": list(entry.arg_positions),
-        "leaf_args": list(entry.leaf_args),
-        "perturbed": list(pair.perturbed),
-        "has_ct": list(pair.has_ct),
-        "n_outs": pair.n_outs,
-        "saved_inputs": list(pair.split.saved_inputs),
-        "config": json.loads(json.dumps(options.as_dict(), default=str)),
-        "autocast": None if entry.fwd.autocast is None else dataclasses.asdict(entry.fwd.autocast),
-        "jax_version": jax.__version__,
-        "report": _report_meta(_report(f, call, paths, pair, pair.timings, None, costs=False)),
-    }
-    return Exported(meta, programs, tuple(entry.fwd.consts))
-
-
-def _concrete(shape: Sequence[Any]) -> bool:
+def concrete(shape: Sequence[Any]) -> bool:
     return all(isinstance(d, (int, np.integer)) for d in shape)
 
 
-def _spec(x: Any) -> jax.ShapeDtypeStruct:
+def spec(x: Any) -> jax.ShapeDtypeStruct:
     """The export spec of one input: its type, and its sharding when it spans devices."""
     sharding = getattr(x, "sharding", None)
     if sharding is not None and (type(sharding) is SingleDeviceSharding or len(sharding.device_set) == 1):
@@ -158,75 +50,6 @@ def _spec(x: Any) -> jax.ShapeDtypeStruct:
     aval = jax.typeof(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False),
                                 sharding=sharding)
-
-
-def _export_programs(who: str, entry: Entry, pair: ProgramPair, inputs: Sequence[Any],
-                     platforms: Sequence[str] | None) -> dict[str, Any]:
-    """The three `jax.export.Exported` programs. The forward-only one takes the pytree
-    arguments ((consts...), dyn_args, dyn_kwargs), so its blob records their structure."""
-    sp = pair.split
-    specs = [_spec(x) for x in inputs]
-    n = len(entry.fwd.consts)
-    out_tree, in_tree = entry.fwd.out_tree, entry.in_tree
-
-    def forward_only(consts: tuple, dyn_args: tuple, dyn_kwargs: dict) -> Any:
-        leaves = in_tree.flatten_up_to((dyn_args, dyn_kwargs))
-        return tree_unflatten(out_tree, entry.forward_only(*consts, *leaves))
-
-    def exported(fn: Any, *specs: Any) -> Any:
-        return jax.export.export(fn, platforms=platforms)(*specs)
-
-    dyn_args, dyn_kwargs = tree_unflatten(in_tree, specs[n:])
-    forward = jax.jit(jaxpr_as_fun(sp.forward))
-    programs = {"forward_only": exported(jax.jit(forward_only), tuple(specs[:n]), dyn_args, dyn_kwargs),
-                "forward": exported(forward, *specs)}
-    # The backward's inputs: saved activations, saved inputs, cotangents. Over several
-    # devices they take the shardings the compiled forward gives them, and the gradients
-    # take their inputs' shardings (as `runtime.ProgramPair` does).
-    bwd_shardings: list[Any] = [None] * len(sp.backward.in_avals)
-    grad_shardings = None
-    if any(s.sharding is not None for s in specs):
-        outs = forward.lower(*specs).compile().output_shardings
-        acts = list(outs[pair.n_outs:])
-        cts = [s for s, c in zip(outs[:pair.n_outs], pair.has_ct, strict=True) if c]
-        bwd_shardings = acts + [specs[i].sharding for i in sp.saved_inputs] + cts
-        grad_shardings = [specs[i].sharding for i in pair.grad_inputs]
-    bwd_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                 for a, s in zip(sp.backward.in_avals, bwd_shardings, strict=True)]
-    backward = jax.jit(jaxpr_as_fun(sp.backward), out_shardings=grad_shardings)
-    programs["backward"] = exported(backward, *bwd_specs)
-    return programs
-
-
-def _encode_static(who: str, key: Any, value: Any) -> Any:
-    """A static argument as JSON: None, bool, int, float, str, and tuples of those."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, tuple):
-        return {"tuple": [_encode_static(who, key, v) for v in value]}
-    raise ExportError(f"{who}: static argument {key!r} is a {type(value).__name__} ({value!r}); an "
-                      f"export records static arguments of type None, bool, int, float, str and "
-                      f"tuples of those. Pass it as one of those, or close over it.")
-
-
-def _decode_static(value: Any) -> Any:
-    if isinstance(value, dict):
-        return tuple(_decode_static(v) for v in value["tuple"])
-    return value
-
-
-_SHAPE_FREE = ("dtype", "is_input", "primitive", "source", "reason")  # SavedValue fields kept
-
-
-def _report_meta(report: Report) -> dict[str, Any]:
-    """The report, without shapes and byte counts (`explain` takes them from its arguments,
-    which may bind symbolic dimensions)."""
-    return {"partitioner": report.partitioner,
-            "saved": [{k: getattr(s, k) for k in _SHAPE_FREE} for s in report.saved],
-            "recomputed": [list(r) for r in report.recomputed],
-            "timings": dataclasses.asdict(report.timings),
-            "casts": {"forward": [list(c) for c in report.casts.forward],
-                      "backward": [list(c) for c in report.casts.backward]}}
 
 
 def _report_of(name: str, meta: dict[str, Any], avals: Sequence[Any], memory: Memory,
@@ -292,7 +115,7 @@ class _Pair:
         cotangents they give)."""
         results = jax.eval_shape(self.entry.forward, *inputs)
         outs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in results[:self.n_outs]]
-        specs = [*results[self.n_outs:], *(_spec(inputs[i]) for i in self.entry.saved_inputs),
+        specs = [*results[self.n_outs:], *(spec(inputs[i]) for i in self.entry.saved_inputs),
                  *(o for o, c in zip(outs, self.entry.exported_has_ct, strict=True) if c)]
         return self.entry.forward.lower(*inputs), self.entry.backward.lower(*specs), Timings()
 
@@ -367,7 +190,7 @@ class Exported(AOTFunction):
         self._meta = meta
         self._programs = programs
         self._spec = _spec_of(meta)
-        self._static = tuple((k, _decode_static(v)) for k, v in meta["static"])
+        self._static = tuple((k, decode_static(v)) for k, v in meta["static"])
         self._entry = _Entry(meta, programs, consts)
         self._nnx = False  # its arguments are the exported leaves: no graph nodes to split
         self.__name__ = self.__qualname__ = self._spec.fn_name
@@ -402,7 +225,7 @@ class Exported(AOTFunction):
     def serialize(self) -> bytes:
         """The bytes `aotgrad.deserialize` loads: header, metadata, programs, constants."""
         sections: dict[str, bytes] = {}
-        for name in _PROGRAMS:
+        for name in PROGRAMS:
             try:
                 sections[name] = bytes(self._programs[name].serialize())
             except (ValueError, TypeError) as e:
@@ -420,7 +243,7 @@ class Exported(AOTFunction):
             data = np.ascontiguousarray(jax.device_get(c))
             sections[f"const{i}"] = data.tobytes()
             consts.append({"dtype": np.dtype(data.dtype).name, "shape": list(data.shape)})
-        return _pack({**self._meta, "consts": consts}, sections)
+        return pack({**self._meta, "consts": consts}, sections)
 
     # ---------------------------------------------------------------- calling
 
@@ -466,7 +289,7 @@ class Exported(AOTFunction):
         entry = self._entry
         results = jax.eval_shape(entry.forward, *call.inputs)  # binds symbolic dimensions
         avals = [*results[len(entry.fwd.out_avals):], *(call.inputs[i] for i in entry.saved_inputs)]
-        if not all(_concrete(a.shape) for a in avals):
+        if not all(concrete(a.shape) for a in avals):
             raise ExportError(f"aotgrad.explain({self.name}): the export has symbolic dimensions; "
                               f"explain it for arrays (or ShapeDtypeStructs) of concrete shapes.")
         compiled = self.lower(*args, **kwargs).compile()
@@ -503,49 +326,6 @@ def _text(aval: Any) -> str:
     return f"{np.dtype(aval.dtype).name}[{', '.join(map(str, aval.shape))}]"
 
 
-# ----------------------------------------------------------------------------- the blob
-
-def _pack(meta: dict[str, Any], sections: dict[str, bytes]) -> bytes:
-    offset, table = 0, []
-    for name, data in sections.items():
-        table.append([name, offset, len(data)])
-        offset += len(data)
-    head = json.dumps({**meta, "sections": table}).encode()
-    payload = struct.pack("<I", len(head)) + head + b"".join(sections.values())
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, len(payload), hashlib.sha256(payload).digest()) + payload
-
-
-def _unpack(blob: bytes) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """Checks the header and the checksum; returns the metadata and the sections."""
-    if not isinstance(blob, (bytes, bytearray, memoryview)):
-        raise TypeError(f"aotgrad.deserialize expects bytes (from Exported.serialize()); got "
-                        f"{type(blob).__name__}.")
-    blob = bytes(blob)
-    if len(blob) < _HEADER.size or not blob.startswith(MAGIC):
-        raise ExportError("aotgrad.deserialize: these bytes are not an aotgrad export (no aotgrad "
-                          "header); pass the bytes of Exported.serialize().")
-    _, version, length, digest = _HEADER.unpack_from(blob)
-    if version != FORMAT_VERSION:
-        raise ExportError(f"aotgrad.deserialize: the export has format version {version}; this aotgrad "
-                          f"reads format version {FORMAT_VERSION}. Export again with this aotgrad, or "
-                          f"load it with the aotgrad version that made it.")
-    payload = blob[_HEADER.size:]
-    if len(payload) != length:
-        raise ExportError(f"aotgrad.deserialize: the export is truncated or padded: its header says "
-                          f"{length} bytes of payload, found {len(payload)}. Copy the file again.")
-    if hashlib.sha256(payload).digest() != digest:
-        raise ExportError("aotgrad.deserialize: the export is corrupted (its checksum does not match "
-                          "its contents). Copy the file again, or export again.")
-    try:
-        (n,) = struct.unpack_from("<I", payload)
-        meta = json.loads(payload[4:4 + n].decode())
-        body = payload[4 + n:]
-        sections = {name: body[start:start + size] for name, start, size in meta.pop("sections")}
-    except (ValueError, TypeError, KeyError, struct.error) as e:
-        raise ExportError(f"aotgrad.deserialize: the export's metadata cannot be read ({e}).") from e
-    return meta, sections
-
-
 def deserialize(blob: bytes) -> Exported:
     """Loads an `Exported` from the bytes of `Exported.serialize()`, in any process on the
     platform it was exported for; the exported function's source is not needed.
@@ -554,9 +334,9 @@ def deserialize(blob: bytes) -> Exported:
         blob: the bytes.
     """
     ensure_compilation_cache()
-    meta, sections = _unpack(blob)
+    meta, sections = unpack(blob)
     try:
-        programs = {name: jax.export.deserialize(bytearray(sections[name])) for name in _PROGRAMS}
+        programs = {name: jax.export.deserialize(bytearray(sections[name])) for name in PROGRAMS}
     except ImportError as e:
         raise ExportError(f"aotgrad.deserialize needs the 'flatbuffers' package "
                           f"(pip install 'aotgrad[export]'): {e}") from e
