@@ -276,7 +276,10 @@ class Entry:
         self.leaf_args += (-1,) * (in_tree.num_leaves - len(self.leaf_args))
         self.options = options  # the config the programs are built under (its keyed part is in the cache key)
         self.strategy = options["partitioner"]
-        donate = tuple(len(fwd.consts) + i for i, p in enumerate(self.leaf_args) if p in donate_argnums)
+        # Negative positions count from the last positional argument (as static_argnums do).
+        n_args = layout.n_args if layout is not None else len(arg_positions)
+        donated = {d + n_args if d < 0 else d for d in donate_argnums}
+        donate = tuple(len(fwd.consts) + i for i, p in enumerate(self.leaf_args) if p in donated)
         self.forward_only = jax.jit(fwd, donate_argnums=donate)
         self.pairs: dict[tuple[tuple[bool, ...], tuple[bool, ...]], ProgramPair] = {}
         self.plans: dict[object, ProgramPair] = {}  # the pair each fwd_and_bwd uses

@@ -155,6 +155,17 @@ def test_donated_argument_is_consumed_on_cpu_or_ignored():
         assert x.is_deleted() and not y.is_deleted()
 
 
+def test_a_negative_donated_position_counts_from_the_end():
+    # Before, donate_argnums=-1 was compared with non-negative positions: silently nothing.
+    f = aotgrad.compile(lambda x, y: x * 2 + y, donate_argnums=-1)
+    x, y = jnp.ones(4), jnp.ones(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        np.testing.assert_allclose(f(x, y), 3.0)
+    if jax.default_backend() == "cpu":
+        assert y.is_deleted() and not x.is_deleted()
+
+
 def test_lower_without_data():
     f = aotgrad.compile(_mlp)
     specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (_params(), X))
