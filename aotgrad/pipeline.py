@@ -39,8 +39,9 @@ def autocast_backward(split: Split, fwd: ForwardTrace, mode: Any) -> tuple[Split
     forward equation ran under (its autocast marker, else the forward's setting); nested
     contexts (a tuple of keyword tuples) rewrite all of them under one setting.
 
-    Only the backward program changes: the partitioner chose the saved set, so the forward program is the same in every mode, and forward values the
-    backward recomputes are re-bound unchanged: the forward's own equations.
+    Only the backward program changes: the partitioner chose the saved set, so the forward
+    program is the same in every mode, and forward values the backward recomputes are
+    re-bound unchanged: the forward's own equations.
     """
     if mode == "off":
         return split, CastCounts(fwd.casts)

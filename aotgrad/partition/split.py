@@ -80,15 +80,22 @@ def split(graph: JointGraph, saved: dict[Var, str], absent: Sequence[Var] = ()) 
     forward = _emit(graph, fwd_idx, fwd_in, list(graph.outputs) + list(activations))
     order = recompute_late(graph, bwd_idx)
     groups = schedule.plan([graph.eqns[i] for i in order], graph.backward - zero)
-    read = {v for i in order for v in graph.eqns[i].invars if isinstance(v, Var)}
-    read.update(v for v in graph.grads if isinstance(v, Var))
     backward = _emit(graph, order, bwd_in, list(graph.grads),
                      before_eqn=schedule.tie(groups, schedule.tie_by_data()),
-                     zeros=[v for v in zero if v in read])
+                     zeros=_zeros_read(graph, order, zero))
     reasons = tuple(saved[v] for v in activations) + tuple(saved[graph.inputs[i]] for i in saved_inputs)
     producers = tuple(graph.eqns[graph.producer[v]] for v in activations)
     return Split(forward, backward, activations, saved_inputs, reasons,
                  tuple(sorted(recomputed.items())), producers, len(groups))
+
+
+def _zeros_read(graph: JointGraph, order: Sequence[int], zero: frozenset[Var]) -> list[Var]:
+    """The known-zero values the backward's equations or its gradients read (given as zeros)."""
+    if not zero:
+        return []
+    read = {v for i in order for v in graph.eqns[i].invars if isinstance(v, Var)}
+    read.update(v for v in graph.grads if isinstance(v, Var))
+    return [v for v in zero if v in read]
 
 
 def without_cotangents(graph: JointGraph, sp: Split, present: Sequence[bool]) -> Split:

@@ -16,7 +16,7 @@ the transpose of every equation that only zero cotangents reach.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import AbstractSet, Any, Callable, Iterable, Sequence
 
 import jax
 import jax.extend.core.primitives as P
@@ -52,7 +52,7 @@ def zeros_like(aval: Any) -> Any:
     return jax.numpy.zeros(aval.shape, aval.dtype)
 
 
-def _is_zero(atom: object, found: set) -> bool:
+def _is_zero(atom: object, found: AbstractSet[Var]) -> bool:
     if isinstance(atom, Literal):
         return not isinstance(atom.val, (list, tuple)) and _literal_zero(atom.val)
     return atom in found
@@ -70,7 +70,7 @@ def _outputs_of(jaxpr: Jaxpr, ins: Sequence[bool]) -> list[bool]:
     if len(jaxpr.invars) != len(ins):
         return [False] * len(jaxpr.outvars)
     found = known_zero(jaxpr.eqns, [v for v, z in zip(jaxpr.invars, ins) if z])
-    return [_is_zero(v, set(found)) for v in jaxpr.outvars]
+    return [_is_zero(v, found) for v in jaxpr.outvars]
 
 
 def _any(eqn: JaxprEqn, ins: list[bool]) -> list[bool]:
@@ -89,7 +89,7 @@ def _first(eqn: JaxprEqn, ins: list[bool]) -> list[bool]:
 
 
 def _each(eqn: JaxprEqn, ins: list[bool]) -> list[bool]:
-    """Operand i becomes output i (barriers, collectives over several operands)."""
+    """Operand i becomes output i (collectives over several operands)."""
     return list(ins) if len(ins) == len(eqn.outvars) else [False] * len(eqn.outvars)
 
 
