@@ -14,17 +14,17 @@ import functools
 import json
 import os
 import threading
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Literal, Mapping, Union
 
 import numpy as np
 
 from aotgrad import jit_key
-from aotgrad.autocast.context import parse_device_type, parse_dtype  # the one autocast validator
+from aotgrad.autocast.context import AutocastArgs, parse_device_type, parse_dtype  # the one autocast validator
 from aotgrad.errors import ConfigError
 from aotgrad.partition import PARTITIONERS  # the registry decides what is valid
 from aotgrad.partition.budget import Bytes, parse_bytes
 
-__all__ = ["Config", "ConfigError", "Snapshot", "config"]
+__all__ = ["BackwardAutocast", "Config", "ConfigError", "Snapshot", "config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,41 +110,45 @@ def _optional_path(name: str) -> Callable[[Any], str | None]:
 
 
 AUTOCAST_KEYS = ("device_type", "dtype", "enabled")
+# The value of `backward_pass_autocast`: a mode, or nested autocast contexts (their
+# arguments checked once, here).
+BackwardAutocast = Union[Literal["same_as_forward", "off"], tuple[AutocastArgs, ...]]
 
 
-def _autocast_kwargs(value: Any, where: str) -> tuple[tuple[str, Any], ...]:
-    """Validates one dict of autocast keyword arguments; returns it as sorted pairs."""
+def _autocast_args(value: Any, where: str) -> AutocastArgs:
+    """One dict of autocast keyword arguments, checked (or arguments checked already: an
+    option's value set again)."""
+    if isinstance(value, AutocastArgs):
+        return value
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where} must be a dict of autocast arguments; got {value!r}.")
     unknown = sorted(set(value) - set(AUTOCAST_KEYS))
     if unknown:
         raise ConfigError(f"{where} has unknown keys {unknown}; valid keys are {list(AUTOCAST_KEYS)}.")
-    out: dict[str, Any] = {}
     try:
         device = value.get("device_type")
-        out["device_type"] = None if device is None else parse_device_type(device, f"{where}['device_type']")
-        out["dtype"] = parse_dtype(value.get("dtype"), f"{where}['dtype']")
+        device = None if device is None else parse_device_type(device, f"{where}['device_type']")
+        dtype = parse_dtype(value.get("dtype"), f"{where}['dtype']")
     except ValueError as e:
         raise ConfigError(str(e)) from None
     enabled = value.get("enabled", True)
     if not isinstance(enabled, (bool, np.bool_)):
         raise ConfigError(f"{where}['enabled'] must be True or False; got {enabled!r}.")
-    out["enabled"] = bool(enabled)
-    return tuple(sorted(out.items()))
+    return AutocastArgs(device, dtype, bool(enabled))
 
 
-def _backward_pass_autocast(value: Any) -> Any:
+def _backward_pass_autocast(value: Any) -> BackwardAutocast:
     where = "aotgrad.config.backward_pass_autocast"
     if isinstance(value, str):
         if value not in ("same_as_forward", "off"):
             raise ConfigError(
                 f"{where} must be 'same_as_forward', 'off', a dict of autocast arguments "
                 f"or a list of such dicts; got {value!r}.")
-        return value
+        return value  # type: ignore[return-value]  # one of the two literals
     if isinstance(value, Mapping):
-        return (_autocast_kwargs(value, where),)
+        return (_autocast_args(value, where),)
     if isinstance(value, (list, tuple)) and value:
-        return tuple(_autocast_kwargs(v, f"{where}[{i}]") for i, v in enumerate(value))
+        return tuple(_autocast_args(v, f"{where}[{i}]") for i, v in enumerate(value))
     raise ConfigError(
         f"{where} must be 'same_as_forward', 'off', a dict of autocast arguments "
         f"or a non-empty list of such dicts; got {value!r}.")
@@ -197,19 +201,35 @@ _OPTIONS: dict[str, Option] = {o.name: o for o in (
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
-    """The effective value of every option at one moment."""
-    values: tuple[tuple[str, Any], ...]
-
-    def __getitem__(self, name: str) -> Any:
-        return dict(self.values)[name]
+    """The effective value of every option at one moment (`config.snapshot()`), each
+    parsed: one typed field per option, in the order of `_OPTIONS`."""
+    partitioner: str
+    activation_memory_budget: float | Bytes
+    backward_pass_autocast: BackwardAutocast
+    donate_saved: bool
+    detect_anomaly: bool
+    cache_size_limit: int
+    log_recompiles: bool
+    debug_dir: str | None
+    compilation_cache_dir: str | None
 
     @functools.cached_property
     def key(self) -> tuple[tuple[str, Any], ...]:
-        """The options that change programs: part of every cache key."""
-        return tuple((n, v) for n, v in self.values if _OPTIONS[n].keyed)
+        """The options that change programs, as (name, value) pairs: part of every cache key."""
+        return tuple((name, getattr(self, name)) for name, opt in _OPTIONS.items() if opt.keyed)
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.values)
+        """Every option by name, nested autocast contexts as (name, value) pairs: what an
+        export's metadata records."""
+        return {name: _plain(getattr(self, name)) for name in _OPTIONS}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, AutocastArgs):
+        return tuple(sorted(dataclasses.asdict(value).items()))
+    return value
 
 
 @functools.lru_cache(maxsize=256)
@@ -247,7 +267,12 @@ class Config:
         object.__setattr__(self, "_version", 0)
         object.__setattr__(self, "_overrides", contextvars.ContextVar("aotgrad_config_overrides", default=()))
         object.__setattr__(self, "_snapshots", {})
+        Snapshot(**defaults)  # every option has its typed field
         jit_key.set_defaults(keyed_only(tuple(defaults.items())))
+
+    def keyed_overrides(self) -> tuple[tuple[str, Any], ...]:
+        """The options patched in the current context that change programs, innermost last."""
+        return keyed_only(self._overrides.get())
 
     def snapshot(self) -> Snapshot:
         """The effective options for the current context (cheap: cached per state)."""
@@ -257,7 +282,7 @@ class Config:
         if snap is None:
             merged = dict(self._defaults)
             merged.update(state[1])
-            snap = Snapshot(tuple(merged.items()))
+            snap = Snapshot(**merged)
             if len(self._snapshots) > 256:
                 self._snapshots.clear()
             self._snapshots[state] = snap
@@ -296,7 +321,8 @@ class Config:
         return sorted(set(super().__dir__()) | set(_OPTIONS))
 
     def __repr__(self) -> str:
-        body = ", ".join(f"{n}={v!r}" for n, v in self.snapshot().values)
+        snap = self.snapshot()
+        body = ", ".join(f"{n}={getattr(snap, n)!r}" for n in _OPTIONS)
         return f"aotgrad.config({body})"
 
 

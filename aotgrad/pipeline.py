@@ -8,9 +8,9 @@ import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
-from aotgrad.autocast.context import Setting, setting_from_kwargs, setting_of
+from aotgrad.autocast.context import Setting, setting_inside, setting_of
 from aotgrad.autocast.rewrite import CastCounts, has_markers, rewrite_backward, rewrite_closed
-from aotgrad.config import Snapshot
+from aotgrad.config import BackwardAutocast, Snapshot
 from aotgrad.devices import DeviceProfile, profile_of
 from aotgrad.errors import BudgetUnreachable
 from aotgrad.partition import JointGraph, Split, partition, scan_rules
@@ -32,26 +32,27 @@ def trace_forward(flat_fn: Callable[..., Any], fn_name: str, avals: Sequence[Any
     return _trace(flat_fn, fn_name, avals, rewrite, autocast)
 
 
-def autocast_backward(split: Split, fwd: ForwardTrace, mode: Any) -> tuple[Split, CastCounts]:
+def autocast_backward(split: Split, fwd: ForwardTrace, mode: BackwardAutocast) -> tuple[Split, CastCounts]:
     """The split with its backward program rewritten under `config.backward_pass_autocast`
     (`mode`): "off" leaves it as traced (its dtypes follow the forward's casts);
     "same_as_forward" rewrites each cotangent-dependent equation under the setting its
     forward equation ran under (its autocast marker, else the forward's setting); nested
-    contexts (a tuple of keyword tuples) rewrite all of them under one setting.
+    contexts (a tuple of `AutocastArgs`) rewrite all of them under one setting.
 
     Only the backward program changes: the partitioner chose the saved set, so the forward
     program is the same in every mode, and forward values the backward recomputes are
     re-bound unchanged: the forward's own equations.
     """
-    if mode == "off":
-        return split, CastCounts(fwd.casts)
-    if mode == "same_as_forward":
-        if fwd.autocast is None and not has_markers(split.backward.jaxpr):
+    match mode:
+        case "off":
             return split, CastCounts(fwd.casts)
-        choose = lambda eqn: setting_of(eqn, fwd.autocast)  # noqa: E731
-    else:
-        fixed = setting_from_kwargs(mode)
-        choose = lambda eqn: fixed  # noqa: E731
+        case "same_as_forward":
+            if fwd.autocast is None and not has_markers(split.backward.jaxpr):
+                return split, CastCounts(fwd.casts)
+            choose = lambda eqn: setting_of(eqn, fwd.autocast)  # noqa: E731
+        case tuple():
+            fixed = setting_inside(mode)
+            choose = lambda eqn: fixed  # noqa: E731
     backward, casts = rewrite_backward(split.backward, split.n_cotangents, choose)
     return dataclasses.replace(split, backward=backward), CastCounts(fwd.casts, casts)
 
@@ -91,7 +92,7 @@ def build(fwd: ForwardTrace, perturbed: tuple[bool, ...], has_ct: tuple[bool, ..
     """The joint graph of `fwd` for this choice of differentiated inputs and cotangents,
     partitioned by the options' strategy and budget, its backward autocast."""
     t0 = time.perf_counter()
-    strategy, budget = options["partitioner"], options["activation_memory_budget"]
+    strategy, budget = options.partitioner, options.activation_memory_budget
     device = profile_of(fwd.in_avals)  # the arguments' devices: a compile-only target's too
     graph = trace_joint(fwd, perturbed, has_ct, scan_rules(strategy, budget, trace_body_joint), device)
     t1 = time.perf_counter()
@@ -100,7 +101,7 @@ def build(fwd: ForwardTrace, perturbed: tuple[bool, ...], has_ct: tuple[bool, ..
     except BudgetUnreachable as e:
         graph, sp = _other_scan_levels(e, fwd, perturbed, has_ct, strategy, budget, device)
     t2 = time.perf_counter()
-    mode = options["backward_pass_autocast"]
+    mode = options.backward_pass_autocast
     sp, casts = autocast_backward(sp, fwd, mode)
     t3 = time.perf_counter()
     return Built(graph, sp, casts, t1 - t0 + t3 - t2, t2 - t1,

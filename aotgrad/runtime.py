@@ -95,7 +95,7 @@ class ProgramPair:
         built = pipeline.build(fwd, perturbed, has_ct, options)
         return cls(owner, perturbed, has_ct, built.graph, built.split,
                    Timings(trace=built.trace_s, partition=built.partition_s), tuple(fwd.in_avals), built.casts,
-                   options["donate_saved"], options["detect_anomaly"], built.autocast)
+                   options.donate_saved, options.detect_anomaly, built.autocast)
 
     def backward_without(self, present: tuple[bool, ...]) -> Any:
         """The backward program's jaxpr taking only the cotangents marked present: every
@@ -275,7 +275,7 @@ class Entry:
         self.leaf_args = tuple(p for p, a in zip(arg_positions, dyn_args) for _ in tree_leaves(a))
         self.leaf_args += (-1,) * (in_tree.num_leaves - len(self.leaf_args))
         self.options = options  # the config the programs are built under (its keyed part is in the cache key)
-        self.strategy = options["partitioner"]
+        self.strategy = options.partitioner
         # Negative positions count from the last positional argument (as static_argnums do).
         n_args = layout.n_args if layout is not None else len(arg_positions)
         donated = {d + n_args if d < 0 else d for d in donate_argnums}
@@ -297,7 +297,10 @@ class Entry:
         key = (perturbed, has_ct)
         pair = self.pairs.get(key)
         if pair is None:
-            if config.log_recompiles and self.pairs:
+            # The options of the call that needs the pair: log_recompiles and debug_dir are not
+            # keyed, so they take effect on an entry built before they were set.
+            now = config.snapshot()
+            if now.log_recompiles and self.pairs:
                 n = len(self.fwd.consts)
                 # Blame the nearest pattern built (fewest differently differentiated inputs).
                 old = min((k[0] for k in reversed(self.pairs)),
@@ -305,8 +308,8 @@ class Entry:
                 logger.warning("aotgrad: compiling %s again: differentiated inputs changed: %s -> %s",
                                self.owner, _mask_text(old[n:]), _mask_text(perturbed[n:]))
             pair = ProgramPair.build(self.owner, self.fwd, perturbed, has_ct, self.options)
-            if config.debug_dir:
-                pair.dump(config.debug_dir, _dump_tag(self.owner))
+            if now.debug_dir:
+                pair.dump(now.debug_dir, _dump_tag(self.owner))
             self.pairs[key] = pair
         return pair
 

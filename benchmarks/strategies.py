@@ -296,9 +296,8 @@ def first_line(e: BaseException) -> str:
 def aotgrad_options(spec: str) -> dict[str, Any]:
     """`aotgrad.config.patch` options of "<partitioner>[@<budget>]"."""
     partitioner, _, budget = spec.partition("@")
-    options: dict[str, Any] = {"partitioner": partitioner}
-    if budget:
-        options["activation_memory_budget"] = float(budget)
+    budgeted = {"activation_memory_budget": float(budget)} if budget else {}
+    options: dict[str, Any] = {"partitioner": partitioner, **budgeted}
     if partitioner not in aotgrad.partitioners():
         raise ValueError(f"partitioner {partitioner!r} is not registered "
                          f"(registered: {sorted(aotgrad.partitioners())})")

@@ -583,5 +583,5 @@ def test_one_device_validator_for_context_config_and_tables(name, want):
         return
     assert aotgrad.autocast(name).device_type == want
     with aotgrad.config.patch(backward_pass_autocast={"device_type": name}):
-        assert dict(aotgrad.config.backward_pass_autocast[0])["device_type"] == want
+        assert aotgrad.config.backward_pass_autocast[0].device_type == want
     assert aotgrad.autocast_policy_table(name) == aotgrad.autocast_policy_table(want)

@@ -1,6 +1,7 @@
 """aotgrad.config: validation, patch semantics, threads, environment defaults, cache keys."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 
 import aotgrad
-from aotgrad.config import ConfigError
+from aotgrad.autocast.context import AutocastArgs
+from aotgrad.config import ConfigError, Snapshot
 
 
 def test_defaults():
@@ -60,11 +62,31 @@ def test_bad_values_name_option_and_choices(name, value, message):
 def test_backward_pass_autocast_accepts_and_normalizes():
     with aotgrad.config.patch(backward_pass_autocast={"device_type": "cuda", "dtype": jnp.float16}):
         value = aotgrad.config.backward_pass_autocast
-        assert value == ((("device_type", "gpu"), ("dtype", "float16"), ("enabled", True)),)
+        assert value == (AutocastArgs(device_type="gpu", dtype="float16", enabled=True),)
     with aotgrad.config.patch(backward_pass_autocast=[{"dtype": "bfloat16"}, {"enabled": False}]):
         assert len(aotgrad.config.backward_pass_autocast) == 2
     with aotgrad.config.patch(backward_pass_autocast="off"):
         assert aotgrad.config.backward_pass_autocast == "off"
+
+
+def test_snapshot_has_one_typed_field_per_option():
+    snap = aotgrad.config.snapshot()
+    assert isinstance(snap, Snapshot)
+    assert [f.name for f in dataclasses.fields(Snapshot)] == list(aotgrad.config.options())
+    with aotgrad.config.patch(partitioner="vjp", activation_memory_budget="1GB", cache_size_limit=3,
+                              backward_pass_autocast={"dtype": jnp.bfloat16}):
+        snap = aotgrad.config.snapshot()
+    assert (snap.partitioner, snap.activation_memory_budget.n, snap.cache_size_limit) == ("vjp", 10 ** 9, 3)
+    assert snap.backward_pass_autocast == (AutocastArgs(dtype="bfloat16"),)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snap.partitioner = "min_cut"
+    # The keyed part is hashable and equal when the options are; an export records plain values.
+    assert hash(snap.key) == hash(dataclasses.replace(snap, cache_size_limit=5).key)
+    assert snap.as_dict()["backward_pass_autocast"] == ((("device_type", None), ("dtype", "bfloat16"),
+                                                         ("enabled", True)),)
+    # A value read back from a snapshot is accepted again as it is.
+    with aotgrad.config.patch(backward_pass_autocast=snap.backward_pass_autocast):
+        assert aotgrad.config.backward_pass_autocast == snap.backward_pass_autocast
 
 
 def test_patch_nests_and_restores_on_exception():

@@ -65,11 +65,11 @@ def _autocast(state):
 
 def _config_of(options):
     """The config (as in `JOBS`) an entry was built under."""
-    config = {"partitioner": options["partitioner"]}
+    config = {"partitioner": options.partitioner}
     if config["partitioner"] != "vjp":
-        config["activation_memory_budget"] = options["activation_memory_budget"]
-    if options["backward_pass_autocast"] != "same_as_forward":
-        config["backward_pass_autocast"] = options["backward_pass_autocast"]
+        config["activation_memory_budget"] = options.activation_memory_budget
+    if options.backward_pass_autocast != "same_as_forward":
+        config["backward_pass_autocast"] = options.backward_pass_autocast
     return config
 
 

@@ -18,7 +18,7 @@ from aotgrad import jit_key
 from aotgrad.api.stages import Lowered
 from aotgrad.autocast.context import current_setting, current_state
 from aotgrad.compilation_cache import ensure_compilation_cache
-from aotgrad.config import config, keyed_only
+from aotgrad.config import Snapshot, config
 from aotgrad.hooks import HOOK, LEAF, PREHOOK, ArgLayout, HookHandle, Hooks
 from aotgrad.nnx import NnxCall, has_graph_nodes
 from aotgrad.pipeline import trace_forward
@@ -116,7 +116,7 @@ class AOTFunction:
         static, dyn_args, dyn_kwargs = self._spec.split(args, kwargs)
         leaves, in_tree = self._spec.flatten(dyn_args, dyn_kwargs)
         snapshot = config.snapshot()
-        jit_key.check(keyed_only(config._overrides.get()), current_state(), leaves, self.name)
+        jit_key.check(config.keyed_overrides(), current_state(), leaves, self.name)
         key = CallKey(static, in_tree, tuple(map(leaf_key, leaves)), snapshot.key, current_setting())
         entry = self._cache.get(key)  # hit path without the lock: dict reads are atomic
         if entry is not None:
@@ -130,14 +130,14 @@ class AOTFunction:
             entry = self._build(key, snapshot, len(args), leaves)
         return _Call(entry, (*entry.fwd.consts, *leaves))
 
-    def _build(self, key: CallKey, snapshot: Any, n_args: int, leaves: list) -> Entry:
+    def _build(self, key: CallKey, snapshot: Snapshot, n_args: int, leaves: list) -> Entry:
         """Cache miss: traces the forward and stores a new entry."""
         ensure_compilation_cache()
         with self._lock:
             self._misses += 1
             last = self._last_key
             cached = list(self._cache)
-        if snapshot["log_recompiles"] and last is not None:
+        if snapshot.log_recompiles and last is not None:
             # Blame the difference from the nearest cached key (fewest differing fields).
             nearest = min(reversed(cached), key=lambda k: key_distance(k, key), default=last)
             logger.warning("aotgrad: compiling %s again: %s", self.name,
@@ -164,7 +164,7 @@ class AOTFunction:
         with self._lock:
             self._cache[key] = entry
             self._last_key = key
-            limit = snapshot["cache_size_limit"]
+            limit = snapshot.cache_size_limit
             while len(self._cache) > limit:
                 self._cache.popitem(last=False)
                 if not self._warned_eviction:
@@ -193,10 +193,10 @@ class AOTFunction:
             f"Python scalar static (as eqx.filter_jit does). JAX said: {type(error).__name__}: "
             f"{str(error).splitlines()[0]}")
 
-    def _note_identity_keys(self, key: CallKey, snapshot: Any) -> None:
+    def _note_identity_keys(self, key: CallKey, snapshot: Snapshot) -> None:
         """Once per function, with `log_recompiles`: which static values are unhashable and
         therefore keyed by identity."""
-        if self._noted_identity or not snapshot["log_recompiles"]:
+        if self._noted_identity or not snapshot.log_recompiles:
             return
         tree = tree_unflatten(key.in_tree, [0] * key.in_tree.num_leaves)
         found = [f"argument {self._spec.arg_name(k) if isinstance(k, int) else k}" for k, v in key.static

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -20,8 +20,8 @@ import numpy as np
 from aotgrad import jit_key
 from aotgrad._jax_internals import name_scopes
 
-__all__ = ["DEFAULT_DTYPES", "DEVICE_TYPES", "DTYPES", "AutocastState", "Setting", "current_setting",
-           "current_state", "parse_device_type", "parse_dtype", "setting_from_kwargs",
+__all__ = ["DEFAULT_DTYPES", "DEVICE_TYPES", "DTYPES", "MARKERS", "STATE", "AutocastArgs", "AutocastState", "Setting",
+           "current_setting", "current_state", "parse_device_type", "parse_dtype", "setting_inside",
            "setting_of"]
 
 DEVICE_TYPES = ("cpu", "gpu", "tpu")
@@ -50,8 +50,8 @@ class Setting:
 
 OFF_MARKER = "autocast[off]"
 # Every marker a name stack can carry, and the setting it stands for (None: disabled).
-_MARKERS: dict[str, Setting | None] = {OFF_MARKER: None}
-_MARKERS.update({Setting(d, t).marker: Setting(d, t) for d in DEVICE_TYPES for t in DTYPES})
+MARKERS: dict[str, Setting | None] = {OFF_MARKER: None}
+MARKERS.update({Setting(d, t).marker: Setting(d, t) for d in DEVICE_TYPES for t in DTYPES})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,26 +71,26 @@ class AutocastState:
         return AutocastState(Setting(device_type, chosen) if enabled else None, dtypes)
 
 
-_STATE: contextvars.ContextVar[AutocastState] = contextvars.ContextVar("aotgrad_autocast",
-                                                                       default=AutocastState())
+# The thread's state; only the `autocast` context (`autocast.transform`) sets it.
+STATE: contextvars.ContextVar[AutocastState] = contextvars.ContextVar("aotgrad_autocast", default=AutocastState())
 jit_key.set_autocast_default(AutocastState())  # an enclosing jax.jit is keyed on the state
 
 
 def current_state() -> AutocastState:
-    return _STATE.get()
+    return STATE.get()
 
 
 def current_setting() -> Setting | None:
     """The casting in force on this thread (None: autocast is off)."""
-    return _STATE.get().setting
+    return STATE.get().setting
 
 
 def setting_of(eqn: Any, default: Setting | None) -> Setting | None:
     """The setting an equation was traced under: the innermost autocast marker in its name
     stack, else `default` (the setting of the enclosing trace)."""
     for scope in reversed(name_scopes(eqn)):
-        if scope in _MARKERS:
-            return _MARKERS[scope]
+        if scope in MARKERS:
+            return MARKERS[scope]
     return default
 
 
@@ -128,12 +128,19 @@ def parse_dtype(dtype: Any, who: str = "aotgrad.autocast") -> str | None:
                      f"context's dtype for the device, else the device default); got {dtype!r}.")
 
 
-def setting_from_kwargs(contexts: tuple[tuple[tuple[str, Any], ...], ...]) -> Setting | None:
-    """The setting inside nested contexts given as keyword arguments (as in
-    `config.backward_pass_autocast`), entered in order from a fresh state."""
+@dataclasses.dataclass(frozen=True)
+class AutocastArgs:
+    """The checked arguments of one `autocast(device_type, dtype, enabled)` context, as
+    `config.backward_pass_autocast` holds them (validated once, by `parse_device_type` and
+    `parse_dtype`)."""
+    device_type: str | None = None  # None: the default backend, found when entered
+    dtype: str | None = None  # None: the enclosing context's dtype for the device, else its default
+    enabled: bool = True
+
+
+def setting_inside(contexts: Sequence[AutocastArgs]) -> Setting | None:
+    """The setting inside these nested contexts, entered in order from a fresh state."""
     state = AutocastState()
-    for kwargs in contexts:
-        kw = dict(kwargs)
-        state = state.enter(parse_device_type(kw.get("device_type")), parse_dtype(kw.get("dtype")),
-                            bool(kw.get("enabled", True)))
+    for c in contexts:
+        state = state.enter(c.device_type or parse_device_type(None), c.dtype, c.enabled)
     return state.setting

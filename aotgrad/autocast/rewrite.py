@@ -21,7 +21,7 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var
 
 from aotgrad._jax_internals import bind_eqn, eqn_context, name_scopes, scan_params, wrap_like
-from aotgrad.autocast.context import _MARKERS, Setting, setting_of
+from aotgrad.autocast.context import MARKERS, Setting, setting_of
 from aotgrad.autocast.counts import CastCounts as CastCounts
 from aotgrad.autocast.policy import ACCUMULATE_FP32, ACCUMULATING, FP32, LOWER, POLICIES, PROMOTE, policy_for
 from aotgrad.interpret import CALL_BODIES, body_of, eval_jaxpr, sub_jaxprs
@@ -355,7 +355,7 @@ STRUCTURAL: dict[Primitive, Rule] = {
 def has_markers(jaxpr: Jaxpr) -> bool:
     """Whether any equation (also in bodies) was traced inside an autocast context."""
     for eqn in jaxpr.eqns:
-        if any(s in _MARKERS for s in name_scopes(eqn)) or any(map(has_markers, sub_jaxprs(eqn))):
+        if any(s in MARKERS for s in name_scopes(eqn)) or any(map(has_markers, sub_jaxprs(eqn))):
             return True
     return False
 

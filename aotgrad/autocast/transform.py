@@ -15,7 +15,7 @@ from jax.tree_util import tree_flatten, tree_unflatten
 
 from aotgrad import jit_key
 from aotgrad._jax_internals import Tracer
-from aotgrad.autocast.context import _STATE, OFF_MARKER, AutocastState, current_setting, parse_device_type, parse_dtype
+from aotgrad.autocast.context import OFF_MARKER, STATE, AutocastState, current_setting, parse_device_type, parse_dtype
 from aotgrad.autocast.rewrite import Rewriter
 
 __all__ = ["autocast", "autocast_transform"]
@@ -97,8 +97,8 @@ class autocast:
         return parse_device_type(self._device_arg)
 
     def __enter__(self) -> AutocastState:
-        state = _STATE.get().enter(self.device_type, self.dtype, self.enabled)
-        token = _STATE.set(state)
+        state = STATE.get().enter(self.device_type, self.dtype, self.enabled)
+        token = STATE.set(state)
         scope = contextlib.ExitStack()
         scope.enter_context(jax.named_scope(state.setting.marker if state.setting else OFF_MARKER))
         self._stack.append((token, scope))
@@ -108,8 +108,8 @@ class autocast:
     def __exit__(self, *exc: object) -> None:
         token, scope = self._stack.pop()
         scope.close()
-        _STATE.reset(token)
-        jit_key.set_autocast(_STATE.get())
+        STATE.reset(token)
+        jit_key.set_autocast(STATE.get())
 
     def __call__(self, fn: Callable) -> Callable:
         if not callable(fn):

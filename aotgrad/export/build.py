@@ -49,7 +49,7 @@ def export(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
     who = f"aotgrad.export({f.name})"
     options = config.snapshot()
     for name in ("donate_saved", "detect_anomaly"):
-        if options[name]:
+        if getattr(options, name):
             raise ExportError(f"{who}: aotgrad.config.{name}=True is not supported by export (its "
                               f"backward is guarded by Python code that is not exported); export "
                               f"under aotgrad.config.patch({name}=False).")
