@@ -16,6 +16,7 @@ from aotgrad.api import AOTFunction as AOTFunction
 from aotgrad.api import CacheInfo as CacheInfo
 from aotgrad.api import Compiled as Compiled
 from aotgrad.api import Lowered as Lowered
+from aotgrad.api import Traced as Traced
 from aotgrad.api import compile as compile
 from aotgrad.api import fwd_and_bwd as fwd_and_bwd
 from aotgrad.autocast import CastCounts as CastCounts
@@ -45,7 +46,7 @@ from aotgrad.runtime import Timings as Timings
 
 __all__ = ["AOTFunction", "BudgetUnreachable", "CacheInfo", "CastCounts", "Compiled", "ConfigError",
            "DynamicLossScale", "ExportError", "Exported", "HookHandle", "Lowered", "Memory", "Report",
-           "Saved", "SavedValue", "Timings", "all_finite", "autocast", "autocast_policy_table", "compile",
+           "Saved", "SavedValue", "Timings", "Traced", "all_finite", "autocast", "autocast_policy_table", "compile",
            "config", "deserialize", "explain", "export", "fwd_and_bwd", "grad_hook", "partitioners",
            "register_autocast_policy", "register_partitioner", "select_tree"]
 

@@ -21,6 +21,7 @@ import jax
 from jax.tree_util import keystr
 
 from aotgrad.hooks import HOOK, LEAF, PREHOOK, Hook, Hooks
+from aotgrad.signature import ArgSpec
 
 if TYPE_CHECKING:
     from aotgrad.api import AOTFunction
@@ -50,11 +51,13 @@ class NnxCall:
     """Calls one compiled function whose arguments hold graph nodes: the function aotgrad
     traces takes the nodes' states and returns (output, updated Variables)."""
 
-    def __init__(self, owner: "AOTFunction", compiled: Callable[..., "AOTFunction"]) -> None:
-        """`compiled`: the class that compiles the inner function (`api.AOTFunction`)."""
-        self.name = owner.name
-        self._spec = owner._spec
-        fn = owner._fn
+    def __init__(self, spec: ArgSpec, fn: Callable[..., Any],
+                 compile_on_states: Callable[[Callable[..., Any]], "AOTFunction"]) -> None:
+        """`spec`: the compiled function's arguments; `fn`: the user's function;
+        `compile_on_states`: compiles the function on states with the compiled function's
+        options and hooks (`api.function` passes it)."""
+        self.name = spec.fn_name
+        self.spec = spec
 
         @functools.wraps(fn)
         def on_states(*pure_args: Any, **pure_kwargs: Any) -> Any:
@@ -67,11 +70,7 @@ class NnxCall:
             self._check_structure(pure_args, pure_kwargs, args, kwargs)
             return out, extract.get_updates(current, snapshot)
 
-        self.inner = compiled(on_states, static_argnums=owner._spec.static_argnums,
-                                 static_argnames=owner._spec.static_argnames, donate_argnums=owner._donate,
-                                 python_scalars=owner._spec.python_scalars)
-        self.inner._nnx = False
-        self.inner._hooks = UserView(owner._hooks)  # the owner's hooks run in the inner backward
+        self.inner = compile_on_states(on_states)
 
     def _check_structure(self, pure_args: tuple, pure_kwargs: dict, args: tuple, kwargs: dict) -> None:
         """Only Variable values are written back: a changed graph (a new attribute or
@@ -90,7 +89,7 @@ class NnxCall:
     def _where(self, path: tuple) -> str:
         """``model['bn']['mean']`` for a path (args|kwargs, position|name, __state__, keys...)."""
         kind, head, *rest = path
-        name = self._spec.arg_name(head.idx) if kind.name == "args" else str(head.key)
+        name = self.spec.arg_name(head.idx) if kind.name == "args" else str(head.key)
         return name + keystr(tuple(k for k in rest if getattr(k, "name", None) != "__state__"))
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:

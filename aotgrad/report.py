@@ -7,16 +7,17 @@ from typing import Any, Callable, Sequence
 from jax.extend.core import ClosedJaxpr
 
 from aotgrad._jax_internals import source_line
-from aotgrad.api import AOTFunction, Lowered
+from aotgrad.api import AOTFunction, Lowered, Traced
+from aotgrad.api import compile as aot_compile
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.partition.costs import nbytes as _nbytes
 from aotgrad.partition.rules import FALLBACK, without_rule
 from aotgrad.partition.scan import segment_schedules
 from aotgrad.provenance import BackwardCost, backward_costs
-from aotgrad.runtime import ProgramPair, Timings
+from aotgrad.runtime import Pair, ProgramPair, Timings
 from aotgrad.signature import argnum_positions
 
-__all__ = ["BackwardCost", "Memory", "Report", "SavedValue", "explain"]
+__all__ = ["BackwardCost", "Memory", "Report", "SavedValue", "explain", "report_of"]
 
 TOP_BACKWARD_OPS = 10  # rows of the backward-cost table `str(report)` prints
 
@@ -167,34 +168,35 @@ def explain(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None
     if isinstance(fn, AOTFunction) and hasattr(fn, "explain"):
         # a loaded export (`export.Exported`): no source, the report made when it was exported
         return fn.explain(*args, argnums=argnums, **kwargs)
-    f = fn if isinstance(fn, AOTFunction) else AOTFunction(fn)
-    call, paths = f.resolved(args, kwargs)
-    positions = None
+    f = fn if isinstance(fn, AOTFunction) else aot_compile(fn)
+    traced = f.trace(*args, **kwargs)
+    perturbed = None
     if argnums is not None:
         who = f"aotgrad.explain({f.name})"
-        positions = argnum_positions(who, argnums, len(args))
-    pair = call.entry.pair(call.entry.perturbed_for(positions), call.entry.default_has_ct())
-    compiled = Lowered(f.name, pair, *pair.lower(call.inputs)).compile()
-    return _report(f, call, paths, pair, compiled.timings, Memory.of(compiled))
+        perturbed = traced.entry.perturbed_for(argnum_positions(who, argnums, len(args)))
+    pair = traced.pair(perturbed=perturbed)
+    compiled = Lowered(f.name, pair, *pair.lower(traced.inputs)).compile()
+    return report_of(traced, pair, compiled.timings, Memory.of(compiled))
 
 
-def _report(f: AOTFunction, call: Any, paths: list[str], pair: ProgramPair, timings: Timings,
-            memory: "Memory", costs: bool = True) -> Report:
-    """The report of `pair`; `costs=False` leaves out the backward-cost table (an export's
-    shapes may be symbolic)."""
+def report_of(traced: Traced, pair: Pair, timings: Timings, memory: Memory | None, costs: bool = True) -> Report:
+    """The report of one of `traced`'s compiled pairs; `costs=False` leaves out the
+    backward-cost table (an export's shapes may be symbolic)."""
+    if not isinstance(pair, ProgramPair):
+        raise TypeError(f"aotgrad.explain({traced.name}): a report is made of a compiled pair; got {pair!r}.")
     sp = pair.split
-    n_consts = len(call.entry.fwd.consts)
+    n_consts = len(traced.entry.fwd.consts)
     saved = []
     for v, eqn, why in zip(sp.activations, sp.producers, sp.reasons):
         saved.append(SavedValue(tuple(v.aval.shape), _dtype_name(v.aval.dtype), _nbytes(v.aval),
                                 False, eqn.primitive.name, source_line(eqn), why))
     for i, why in zip(sp.saved_inputs, sp.reasons[len(sp.activations):], strict=True):
         aval = pair.in_avals[i]
-        where = f"closed-over constant {i}" if i < n_consts else f"argument {paths[i - n_consts]}"
+        where = f"closed-over constant {i}" if i < n_consts else f"argument {traced.paths[i - n_consts]}"
         saved.append(SavedValue(tuple(aval.shape), _dtype_name(aval.dtype), _nbytes(aval),
                                 True, "input", where, why))
     return Report(
-        function=f.name, partitioner=call.entry.strategy,
+        function=traced.name, partitioner=pair.partitioner,
         forward_jaxpr=sp.forward, backward_jaxpr=sp.backward, saved=tuple(saved),
         saved_bytes=sum(s.nbytes for s in saved if not s.is_input),
         saved_input_bytes=sum(s.nbytes for s in saved if s.is_input),

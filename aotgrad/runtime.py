@@ -1,34 +1,27 @@
-"""How programs run: compiled program pairs, saved values, and the `jax.custom_vjp` glue
-that makes a compiled function differentiable by `jax.grad` / `jax.vjp`."""
+"""How programs run: the program-pair interface (`Pair`), compiled program pairs, their
+backward programs, and the saved values a forward hands to its backward."""
 from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
-import logging
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import SingleDeviceSharding
-from jax.tree_util import tree_leaves, tree_unflatten
 
 from aotgrad import anomaly, pipeline
 from aotgrad.autocast.rewrite import CastCounts
-from aotgrad.config import Snapshot, config
-from aotgrad.hooks import ArgLayout, Hooks, InForce, with_hooks
+from aotgrad.config import Snapshot
+from aotgrad.hooks import InForce, with_hooks
 from aotgrad.partition import JointGraph, Split, without_cotangents
 from aotgrad.signature import ArrayImpl
-from aotgrad.trace import ForwardTrace, differentiable
+from aotgrad.trace import ForwardTrace
 
-__all__ = ["Backward", "Entry", "GuardedBackward", "ProgramPair", "Saved", "Timings"]
-
-logger = logging.getLogger("aotgrad")
-_dump_counter = itertools.count()
+__all__ = ["Backward", "GuardedBackward", "Pair", "ProgramPair", "Saved", "Timings"]
 
 _RELEASED = (
     "aotgrad.compile({owner}): saved values were released after the first backward: "
@@ -60,10 +53,35 @@ def _placed_elsewhere(x: Any) -> bool:
     return len(devices) > 1 or not devices <= set(jax.devices())
 
 
+class Pair(Protocol):
+    """A forward and a backward program for one signature and one differentiation pattern:
+    which inputs are differentiated (`perturbed`: closed-over values, then argument leaves)
+    and which outputs take a cotangent (`has_ct`). Compiled ones are `ProgramPair`s; an
+    export's loaded programs are `export.programs.LoadedPair`s. Entries, the `custom_vjp`
+    rule, `fwd_and_bwd` and the stages use pairs through this interface only."""
+    owner: str  # the function's name, for messages
+    perturbed: tuple[bool, ...]
+    has_ct: tuple[bool, ...]
+    in_avals: tuple[Any, ...]  # of the inputs
+    n_outs: int
+    layouts: dict[object, Any]  # per fwd_and_bwd: how its bwd regroups gradients
+
+    def run_forward(self, inputs: Sequence[Any], hooks: InForce | None = None) -> tuple[list[Any], "Saved"]:
+        """Outputs and the values saved for the backward; `hooks`: those in force, which the
+        backward runs."""
+
+    def run_backward(self, saved: "Saved", cts: Sequence[Any], present: tuple[bool, ...] | None = None) -> list[Any]:
+        """Gradients of the perturbed inputs from `saved` and the cotangents (those `present`
+        marks as given, when it is not None; the others are zero)."""
+
+    def lower(self, inputs: Sequence[Any]) -> tuple[Any, Any, Timings]:
+        """Both programs lowered (`jax.stages.Lowered`) for these inputs (arrays or
+        ShapeDtypeStructs)."""
+
+
 @dataclasses.dataclass(eq=False)
 class ProgramPair:
-    """A forward and a backward program for one signature and one choice of differentiated
-    inputs (`perturbed`) and of outputs that receive cotangents (`has_ct`)."""
+    """A `Pair` compiled from the joint graph: `split`'s forward and backward programs."""
     owner: str  # the function's name, for messages
     perturbed: tuple[bool, ...]
     has_ct: tuple[bool, ...]
@@ -71,6 +89,7 @@ class ProgramPair:
     split: Split
     timings: Timings
     in_avals: tuple[Any, ...]
+    partitioner: str  # the strategy that chose the saved set
     casts: CastCounts = CastCounts()  # casts autocast inserted, forward and backward
     donate_saved: bool = False  # the backward takes ownership of the saved activations
     detect_anomaly: bool = False  # the backward also reports where a NaN/Inf first appeared
@@ -94,8 +113,8 @@ class ProgramPair:
               has_ct: tuple[bool, ...], options: Snapshot) -> "ProgramPair":
         built = pipeline.build(fwd, perturbed, has_ct, options)
         return cls(owner, perturbed, has_ct, built.graph, built.split,
-                   Timings(trace=built.trace_s, partition=built.partition_s), tuple(fwd.in_avals), built.casts,
-                   options.donate_saved, options.detect_anomaly, built.autocast)
+                   Timings(trace=built.trace_s, partition=built.partition_s), tuple(fwd.in_avals),
+                   options.partitioner, built.casts, options.donate_saved, options.detect_anomaly, built.autocast)
 
     def backward_without(self, present: tuple[bool, ...]) -> Any:
         """The backward program's jaxpr taking only the cotangents marked present: every
@@ -232,18 +251,18 @@ class Saved:
     pair produced it, so a backward can refuse values saved by another function, and the
     hooks in force when the forward ran, which its backward runs."""
 
-    def __init__(self, arrays: Sequence[Any], pair: ProgramPair,
+    def __init__(self, arrays: Sequence[Any], pair: Pair,
                  grad_shardings: tuple[Any, ...] | None = None, hooks: InForce | None = None) -> None:
         self.arrays = arrays
         self.pair = pair
         self.grad_shardings = grad_shardings  # the differentiated inputs' shardings (sharded runs)
         self.hooks = hooks  # the hooks in force when the forward ran (None: none)
 
-    def tree_flatten(self) -> tuple[Sequence[Any], tuple[ProgramPair, Any, Any]]:
+    def tree_flatten(self) -> tuple[Sequence[Any], tuple[Pair, Any, Any]]:
         return self.arrays, (self.pair, self.grad_shardings, self.hooks)
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple[ProgramPair, Any, Any], arrays: Sequence[Any]) -> "Saved":
+    def tree_unflatten(cls, aux: tuple[Pair, Any, Any], arrays: Sequence[Any]) -> "Saved":
         return cls(arrays, *aux)
 
     @property
@@ -259,98 +278,6 @@ class Saved:
         return f"Saved({self.pair.owner}: {shapes})"
 
 
-class Entry:
-    """Everything compiled for one call signature: the forward trace, the forward-only
-    program, program pairs per differentiation pattern, and the differentiable callable."""
-
-    def __init__(self, owner: str, fwd: ForwardTrace, in_tree: Any, arg_positions: tuple[int, ...],
-                 options: Snapshot, donate_argnums: tuple[int, ...], hooks: Hooks | None = None,
-                 layout: ArgLayout | None = None) -> None:
-        self.owner = owner
-        self.fwd = fwd
-        self.in_tree = in_tree  # of (dynamic args, dynamic kwargs)
-        self.arg_positions = arg_positions  # position among all arguments of each dynamic arg
-        # The positional argument each leaf belongs to (-1: a keyword argument).
-        dyn_args, dyn_kwargs = tree_unflatten(in_tree, [0] * in_tree.num_leaves)
-        self.leaf_args = tuple(p for p, a in zip(arg_positions, dyn_args) for _ in tree_leaves(a))
-        self.leaf_args += (-1,) * (in_tree.num_leaves - len(self.leaf_args))
-        self.options = options  # the config the programs are built under (its keyed part is in the cache key)
-        self.strategy = options.partitioner
-        # Negative positions count from the last positional argument (as static_argnums do).
-        n_args = layout.n_args if layout is not None else len(arg_positions)
-        donated = {d + n_args if d < 0 else d for d in donate_argnums}
-        donate = tuple(len(fwd.consts) + i for i, p in enumerate(self.leaf_args) if p in donated)
-        self.forward_only = jax.jit(fwd, donate_argnums=donate)
-        self.pairs: dict[tuple[tuple[bool, ...], tuple[bool, ...]], ProgramPair] = {}
-        self.plans: dict[object, ProgramPair] = {}  # the pair each fwd_and_bwd uses
-        self.hooks = hooks  # the function's hooks (read when a forward runs)
-        self.layout = layout  # how gradients regroup into arguments, for hooks
-        self.call = self._differentiable()
-
-    def in_force(self) -> InForce | None:
-        """The hooks the next backward runs (None: none)."""
-        hooks = self.hooks.current if self.hooks is not None else ()
-        return InForce(hooks, self.layout) if hooks else None
-
-    def pair(self, perturbed: tuple[bool, ...], has_ct: tuple[bool, ...]) -> ProgramPair:
-        """The program pair for this differentiation pattern, built on first use."""
-        key = (perturbed, has_ct)
-        pair = self.pairs.get(key)
-        if pair is None:
-            # The options of the call that needs the pair: log_recompiles and debug_dir are not
-            # keyed, so they take effect on an entry built before they were set.
-            now = config.snapshot()
-            if now.log_recompiles and self.pairs:
-                n = len(self.fwd.consts)
-                # Blame the nearest pattern built (fewest differently differentiated inputs).
-                old = min((k[0] for k in reversed(self.pairs)),
-                          key=lambda o: sum(a != b for a, b in zip(o, perturbed)))
-                logger.warning("aotgrad: compiling %s again: differentiated inputs changed: %s -> %s",
-                               self.owner, _mask_text(old[n:]), _mask_text(perturbed[n:]))
-            pair = ProgramPair.build(self.owner, self.fwd, perturbed, has_ct, self.options)
-            if now.debug_dir:
-                pair.dump(now.debug_dir, _dump_tag(self.owner))
-            self.pairs[key] = pair
-        return pair
-
-    def perturbed_for(self, positions: set[int] | None) -> tuple[bool, ...]:
-        """Differentiate the floating leaves of these positional arguments (None: of all
-        arguments); closed-over constants are never differentiated this way."""
-        n = len(self.fwd.consts)
-        return (False,) * n + tuple(
-            differentiable(a) and (positions is None or p in positions)
-            for p, a in zip(self.leaf_args, self.fwd.in_avals[n:]))
-
-    def default_has_ct(self) -> tuple[bool, ...]:
-        return tuple(differentiable(a) for a in self.fwd.out_avals)
-
-    def _differentiable(self) -> Callable[..., Any]:
-        entry = self
-        has_ct = self.default_has_ct()
-
-        @jax.custom_vjp
-        def call(*inputs: Any) -> list[Any]:
-            return entry.forward_only(*inputs)
-
-        def fwd(*primals: Any) -> tuple[list[Any], Saved]:
-            perturbed = tuple(bool(p.perturbed) for p in primals)
-            pair = entry.pair(perturbed, has_ct)
-            return pair.run_forward([p.value for p in primals], entry.in_force())
-
-        def bwd(saved: Saved, cts: Sequence[Any]) -> tuple[Any, ...]:
-            pair = saved.pair
-            given = [ct for ct, c in zip(cts, has_ct) if c]
-            present = tuple(not isinstance(ct, SymbolicZero) for ct in given)
-            if all(present):
-                grads = iter(pair.run_backward(saved, given))
-            else:  # e.g. auxiliary outputs: their zero cotangents are not inputs of the program
-                grads = iter(pair.run_backward(saved, [ct for ct, p in zip(given, present) if p], present))
-            return tuple(next(grads) if p else None for p in pair.perturbed)
-
-        call.defvjp(fwd, bwd, symbolic_zeros=True)
-        return call
-
-
 def _aliasable(backward: Any, n: int) -> tuple[int, ...]:
     """Positions among the first `n` backward inputs (the activations) that XLA can alias to
     a gradient of the same type; donating the others would only warn."""
@@ -362,22 +289,6 @@ def _aliasable(backward: Any, n: int) -> tuple[int, ...]:
             free[key] -= 1
             picks.append(i)
     return tuple(picks)
-
-
-def _mask_text(mask: Sequence[bool]) -> str:
-    """`[dd-]`: which inputs are differentiated (d) or not (-)."""
-    return "[" + "".join("d" if m else "-" for m in mask) + "]"
-
-
-def _dump_tag(owner: str) -> str:
-    """A file name prefix for one compilation's dump; with several processes (multi-host),
-    each process writes its own files, even into a shared directory."""
-    tag = f"{_file_safe(owner)}-{next(_dump_counter)}"
-    return f"{tag}.process{jax.process_index()}" if jax.process_count() > 1 else tag
-
-
-def _file_safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 
 
 def _with_zeros(cts: Sequence[Any], present: Sequence[bool], avals: Sequence[Any]) -> list[Any]:

@@ -87,7 +87,7 @@ def test_off_by_default_and_no_check_when_off():
     f = aotgrad.compile(masked_log)
     assert aotgrad.config.detect_anomaly is False
     assert np.isnan(jax.grad(f)(X)[1])  # as JAX: no error
-    (entry,) = f._cache.values()
-    (pair,) = entry.pairs.values()
+    assert f.cache_info().entries == 1
+    (pair,) = f.trace(X).pairs.values()
     assert type(pair.run_backward) is aotgrad.runtime.Backward  # the plain one: nothing added to the hot path
     assert len(pair.backward.trace(*pair.split.backward.in_avals).out_info) == 1  # gradients only

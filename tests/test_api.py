@@ -27,9 +27,12 @@ def _params(key=0):
 X = jnp.linspace(-1.0, 1.0, 24).reshape(4, 6)
 
 
-def _entry(f):
-    (entry,) = f._cache.values()
-    return entry
+def _traced(f, *args):
+    """`f.trace(*args)`, where `f` holds one entry, that of these arguments (nothing traced)."""
+    before = f.cache_info()
+    traced = f.trace(*args)
+    assert before.entries == 1 and f.cache_info().misses == before.misses
+    return traced
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
@@ -46,7 +49,8 @@ def test_inference_runs_forward_only_program():
     info = f.cache_info()
     assert info.pairs == 0, "inference must not build a forward program that saves values"
     # The forward-only program returns only the output: nothing saved.
-    (out_aval,) = _entry(f).forward_only.trace(*_entry(f).fwd.consts, *jax.tree.leaves(_params()), X).out_info
+    traced = _traced(f, _params(), X)
+    (out_aval,) = traced.entry.forward_only.trace(*traced.inputs).out_info
     assert out_aval.shape == ()
 
 
@@ -64,12 +68,12 @@ def test_backward_only_computes_requested_gradients():
     f = aotgrad.compile(_mlp)
     gx = jax.grad(f, argnums=1)(_params(), X)
     np.testing.assert_allclose(gx, jax.grad(_mlp, argnums=1)(_params(), X), rtol=1e-5, atol=1e-7)
-    (pair,) = _entry(f).pairs.values()
+    (pair,) = _traced(f, _params(), X).pairs.values()
     assert len(pair.split.backward.out_avals) == 1  # only x's cotangent
     assert [a.shape for a in pair.split.backward.out_avals] == [(4, 6)]
     jax.grad(f)(_params(), X)
     assert f.cache_info().pairs == 2  # the differentiated inputs are part of the key
-    backward_outs = sorted(len(p.split.backward.out_avals) for p in _entry(f).pairs.values())
+    backward_outs = sorted(len(p.split.backward.out_avals) for p in _traced(f, _params(), X).pairs.values())
     assert backward_outs == [1, 3]
 
 
@@ -113,7 +117,7 @@ def test_closed_over_constants_are_inputs_not_baked_in():
     w = jnp.arange(6.0)
     f = aotgrad.compile(lambda x: jnp.sum(jnp.cos(x * w)))
     np.testing.assert_allclose(jax.grad(f)(X), -jnp.sin(X * w) * w, rtol=1e-6)
-    assert len(_entry(f).fwd.consts) == 1
+    assert len(_traced(f, X).entry.fwd.consts) == 1
 
 
 def test_static_and_keyword_arguments():
@@ -181,6 +185,29 @@ def test_lower_without_data():
     assert compiled.timings.compile > 0 and compiled.timings.lower > 0
 
 
+def test_trace_is_the_entry_of_its_arguments():
+    f = aotgrad.compile(_mlp)
+    traced = f.trace(_params(), X)
+    assert isinstance(traced, aotgrad.Traced) and traced.pairs == {}  # traced; no pair built yet
+    assert traced.jaxpr.out_avals[0].shape == () and traced.n_args == 2
+    assert traced.paths == ("params['b1']", "params['w1']", "params['w2']", "x")
+    assert traced.perturbed(1) == (False, False, False, True)
+    pair = traced.pair(1)
+    assert traced.pair(perturbed=(False, False, False, True)) is pair
+    jax.grad(f, argnums=1)(_params(), X)  # finds the pair `trace` built
+    assert f.cache_info().pairs == 1 and traced.pairs == {(pair.perturbed, pair.has_ct): pair}
+    # Another signature has another entry; these arguments find theirs again.
+    other = f.trace(_params(), X[:2])
+    assert other.entry is not traced.entry and other.inputs[-1].shape == (2, 6)
+    assert f.trace(_params(), X).entry is traced.entry and f.cache_info().entries == 2
+    assert other.pairs == {}
+    lowered = traced.lower()  # every floating input differentiated, as f.lower
+    assert lowered.pair is traced.pair() is not pair and f.cache_info().pairs == 2
+    assert lowered.compile().memory_analysis()["backward"] is not None
+    with pytest.raises(ValueError, match=r"argnums \[2\] out of range for 2 positional arguments"):
+        traced.pair(2)
+
+
 def test_explain_report():
     with aotgrad.config.patch(partitioner="vjp"):
         report = aotgrad.explain(_mlp, _params(), X)
@@ -208,7 +235,9 @@ def test_cache_limit_evicts_and_warns_once():
                 f(jnp.ones(n))
     assert len([w for w in record if "cache_size_limit" in str(w.message)]) == 1
     assert f.cache_info().entries == 2
-    assert [k.leaves[0][0] for k in f._cache] == [(4,), (5,)]
+    misses = f.cache_info().misses
+    f.trace(jnp.ones(4)), f.trace(jnp.ones(5))  # the two most recent are held: nothing traced
+    assert f.cache_info().misses == misses
 
 
 def test_log_recompiles_names_the_cause(caplog):
@@ -254,7 +283,7 @@ def test_dropped_function_frees_its_cache():
     import weakref
     f = aotgrad.compile(lambda x: jnp.sum(jnp.exp(x)))
     jax.grad(f)(X)
-    ref = weakref.ref(_entry(f))
+    ref = weakref.ref(_traced(f, X).entry)
     del f
     gc.collect()
     assert ref() is None

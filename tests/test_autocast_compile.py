@@ -30,8 +30,7 @@ def _inputs(dtype=F16):
 def _pair(fn, args, mode, device="gpu", dtype=F16):
     cf = aotgrad.compile(fn)
     with aotgrad.config.patch(backward_pass_autocast=mode), aotgrad.autocast(device, dtype=dtype):
-        call = cf._resolve(args, {})
-        pair = call.entry.pair(call.entry.perturbed_for(None), call.entry.default_has_ct())
+        pair = cf.trace(*args).pair()
         grads = jax.grad(cf, argnums=tuple(range(len(args))))(*args)
     return pair, grads
 
@@ -94,8 +93,10 @@ def test_off_equals_jax_grad_of_the_transformed_function():
     for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
         assert g.dtype == e.dtype == F32
         np.testing.assert_allclose(g, e, rtol=1e-2, atol=1e-2 * float(jnp.abs(e).max()))
-    pair = next(iter(cf._cache.values())).pairs
-    assert all(not p.casts.backward for p in pair.values())  # nothing rewritten in the backward
+    with aotgrad.config.patch(backward_pass_autocast="off"), aotgrad.autocast("gpu", dtype=BF16):
+        pairs = cf.trace(params, x).pairs
+    assert cf.cache_info().entries == 1 and len(pairs) == 1
+    assert all(not p.casts.backward for p in pairs.values())  # nothing rewritten in the backward
 
 
 def _block(p, x):

@@ -107,6 +107,10 @@ def test_gradients_for_a_subset_of_the_exported_inputs():
     np.testing.assert_allclose(g, jax.grad(p.fn, argnums=1)(params, x, y), rtol=1e-5, atol=1e-6)
     with pytest.raises(ExportError, match=r"argument\(s\) y, which the export does not differentiate"):
         jax.grad(loaded, argnums=2)(params, x, y)
+    traced = loaded.trace(params, x, y)  # its one entry: the exported pattern by default
+    assert traced.entry is loaded.trace(params, x, y).entry and traced.perturbed() == traced.perturbed((0, 1))
+    assert traced.pair(1).perturbed == traced.perturbed(1)
+    assert traced.lower().pair is traced.pair((0, 1)) and loaded.cache_info().entries == 1
 
 
 def test_has_aux_through_fwd_and_bwd():

@@ -37,8 +37,7 @@ def test_deep_stack_traces_and_partitions(config):
     f = aotgrad.compile(stack)
     params, x = stack_args()
     with aotgrad.config.patch(**config):
-        call = f._resolve((params, x), {})
-        pair = call.entry.pair(call.entry.perturbed_for(None), call.entry.default_has_ct())
+        pair = f.trace(params, x).pair()
     n_joint = len(pair.graph.eqns)
     assert n_joint > 48 * 30  # the graph really is deep
     assert len(pair.split.backward.out_avals) == 2 * LAYERS + 1  # every weight, gain and x

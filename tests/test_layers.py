@@ -22,9 +22,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
                "autocast", "autocast.context", "autocast.policy", "autocast.counts", "autocast.rewrite",
                "autocast.transform"),
     "pipeline": ("config", "compilation_cache", "pipeline"),
-    "runtime": ("hooks", "anomaly", "runtime"),
-    "api": ("nnx", "api", "api.stages", "api.function", "api.fwd_bwd"),
-    "tools": ("report", "export", "export.blob", "export.loaded", "export.build"),
+    "runtime": ("hooks", "anomaly", "runtime", "entry"),
+    "api": ("nnx", "api", "api.stages", "api.cache", "api.function", "api.fwd_bwd"),
+    "tools": ("report", "export", "export.blob", "export.programs", "export.loaded", "export.build"),
     "face": ("",),
 }
 INDEPENDENT = ("partition", "autocast")  # passes that must not import each other

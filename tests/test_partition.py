@@ -49,10 +49,8 @@ def test_corpus_gradients_under_every_partitioner_and_budget(name: str, config: 
 
 def _graph(fn: Any, *args: Any) -> Any:
     """The joint graph aotgrad builds for `fn(*args)`, every float input differentiated."""
-    f = aotgrad.compile(fn)
-    call = f._resolve(args, {})
-    entry = call.entry
-    return trace_joint(entry.fwd, entry.perturbed_for(None), entry.default_has_ct())
+    traced = aotgrad.compile(fn).trace(*args)
+    return trace_joint(traced.entry.fwd, traced.perturbed(), traced.entry.default_has_ct())
 
 
 def _activations(sp: Any) -> list[Any]:
@@ -144,10 +142,8 @@ def test_small_reductions_are_saved_large_inputs_are_not_reread() -> None:
 def reference_block() -> Any:
     from benchmarks.workloads import transformer_block
     loss, params, batch = transformer_block(0, batch=8, seq=128, d_model=256, heads=8)
-    f = aotgrad.compile(loss)
-    call = f._resolve((params, batch), {})
-    entry = call.entry
-    graph = trace_joint(entry.fwd, entry.perturbed_for({0}), entry.default_has_ct())
+    traced = aotgrad.compile(loss).trace(params, batch)
+    graph = trace_joint(traced.entry.fwd, traced.perturbed(0), traced.entry.default_has_ct())
     return graph
 
 

@@ -190,8 +190,7 @@ def test_hand_known_cut_inside_the_body() -> None:
     assert theirs > report.saved_bytes
     # Both programs keep the scan as a scan (never unrolled).
     with aotgrad.config.patch(partitioner="min_cut"):
-        call = aotgrad.compile(fn)._resolve((p,), {})
-        pair = call.entry.pair(call.entry.perturbed_for(None), call.entry.default_has_ct())
+        pair = aotgrad.compile(fn).trace(p).pair()
     assert len(_scan_eqns(pair.split.forward)) == 1 and len(_scan_eqns(pair.split.backward)) >= 1
 
 

@@ -11,7 +11,9 @@ import numpy as np
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_structure, tree_unflatten
 
 from aotgrad.api.function import AOTFunction
-from aotgrad.runtime import Entry, ProgramPair, Saved
+from aotgrad.api.function import compile as aot_compile
+from aotgrad.entry import Entry
+from aotgrad.runtime import Pair, Saved
 from aotgrad.signature import (ArrayImpl, Static, argnum_positions, aval_key, key_text, leaf_key, normalize_argnums,
                                static_leaves)
 
@@ -26,7 +28,7 @@ def fwd_and_bwd(fn: Callable, argnums: int | Sequence[int] = 0,
     `bwd(saved, ct) -> grads` for the arguments in `argnums` (a single value when `argnums`
     is an int). `saved` is a pytree of `jax.Array`s: count it, move it, offload it.
     """
-    f = fn if isinstance(fn, AOTFunction) else AOTFunction(fn)
+    f = fn if isinstance(fn, AOTFunction) else aot_compile(fn)
     nums, single = normalize_argnums(f"aotgrad.fwd_and_bwd({f.name})", argnums)
     if not nums:
         raise ValueError("aotgrad.fwd_and_bwd: argnums must name at least one argument.")
@@ -34,14 +36,14 @@ def fwd_and_bwd(fn: Callable, argnums: int | Sequence[int] = 0,
     token = object()  # identifies this fwd_and_bwd in the entries and pairs it uses
 
     def fwd(*args: Any) -> tuple[Any, ...]:
-        call = f._resolve(args, {})
-        pair = call.entry.plans.get(token)
+        entry, inputs = f.entries.resolve(args, {})
+        pair = entry.plans.get(token)
         if pair is None:
-            pair, layout = _plan(f.name, call.entry, len(args), nums, has_aux)
-            call.entry.plans[token] = pair
+            pair, layout = _plan(f.name, entry, len(args), nums, has_aux)
+            entry.plans[token] = pair
             pair.layouts[token] = layout
-        outs, saved = pair.run_forward(call.inputs, call.entry.in_force())
-        out = tree_unflatten(call.entry.fwd.out_tree, outs)
+        outs, saved = pair.run_forward(inputs, entry.in_force())
+        out = tree_unflatten(entry.fwd.out_tree, outs)
         return (out[0], saved, out[1]) if has_aux else (out, saved)
 
     def bwd(saved: Saved, ct: Any) -> Any:
@@ -70,7 +72,7 @@ def fwd_and_bwd(fn: Callable, argnums: int | Sequence[int] = 0,
 
 
 def _plan(name: str, entry: Entry, n_args: int, nums: tuple[int, ...],
-          has_aux: bool) -> tuple[ProgramPair, "_GradLayout"]:
+          has_aux: bool) -> tuple[Pair, "_GradLayout"]:
     """The program pair and gradient layout for one signature of a fwd_and_bwd."""
     perturbed = entry.perturbed_for(argnum_positions(f"aotgrad.fwd_and_bwd({name})", nums, n_args))
     has_ct = entry.default_has_ct()
@@ -104,7 +106,7 @@ class _GradLayout:
         return self.out_tree.num_leaves == 1 and self.out_tree.num_nodes == 1
 
     @classmethod
-    def of(cls, entry: Entry, pair: ProgramPair, nums: tuple[int, ...], n_args: int,
+    def of(cls, entry: Entry, pair: Pair, nums: tuple[int, ...], n_args: int,
            out_tree: Any) -> "_GradLayout":
         n = len(entry.fwd.consts)
         dyn_args, _ = tree_unflatten(entry.in_tree, [0] * entry.in_tree.num_leaves)
@@ -132,7 +134,7 @@ class _GradLayout:
         return cls(tuple(args), out_tree, paths, keys, contiguous, has_static)
 
 
-def _check_cotangent(name: str, pair: ProgramPair, layout: _GradLayout, ct: Any) -> list[Any]:
+def _check_cotangent(name: str, pair: Pair, layout: _GradLayout, ct: Any) -> list[Any]:
     """Validates `ct` against the output; returns the cotangents of outputs that take one."""
     if layout.single_ct and type(ct) is ArrayImpl and pair.has_ct[0] and leaf_key(ct) == layout.ct_keys[0]:
         return (ct,)  # the common case: one array output

@@ -1,21 +1,82 @@
-"""The ahead-of-time stages of a compiled function: `Lowered` (both programs in StableHLO)
-and `Compiled` (both compiled by XLA)."""
+"""The ahead-of-time stages of a compiled function, as `jax.jit`'s: `Traced` (a call's
+entry: the forward traced, its program pairs), `Lowered` (both programs of a pair in
+StableHLO) and `Compiled` (both compiled by XLA)."""
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Sequence
 
-from aotgrad.runtime import ProgramPair, Timings
+from jax.extend.core import ClosedJaxpr
 
-__all__ = ["Compiled", "Lowered"]
+from aotgrad.entry import Entry
+from aotgrad.runtime import Pair, Timings
+from aotgrad.signature import argnum_positions
+
+__all__ = ["Compiled", "Lowered", "Traced"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """One call traced (`AOTFunction.trace(*args, **kwargs)`, as `jax.jit(f).trace(...)`):
+    the cache entry of these arguments (the forward traced, the program pairs built for
+    it, one per differentiation pattern) and the call's flat inputs. `.pair()` builds a
+    pair on first use; `.lower()` lowers one, and `.lower().compile()` compiles it."""
+    name: str  # the function's name
+    entry: Entry  # the cached entry of the call's signature (traced on a miss)
+    inputs: tuple[Any, ...]  # the call's flat inputs: closed-over values, then argument leaves
+
+    @property
+    def jaxpr(self) -> ClosedJaxpr:
+        """The forward, from the argument leaves to the flat outputs (rewritten under the
+        autocast setting of the call)."""
+        return self.entry.fwd.jaxpr
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The readable path of each argument leaf, e.g. ``params['w']``."""
+        return self.entry.layout.paths
+
+    @property
+    def n_args(self) -> int:
+        """The positional arguments of the call."""
+        return self.entry.layout.n_args
+
+    @property
+    def pairs(self) -> dict[tuple[tuple[bool, ...], tuple[bool, ...]], Pair]:
+        """The program pairs built so far (by calls, `fwd_and_bwd`, `pair`), by their pattern
+        (perturbed, has_ct): which inputs are differentiated, which outputs take a cotangent."""
+        return dict(self.entry.pairs)
+
+    def perturbed(self, argnums: int | Sequence[int] | None = None) -> tuple[bool, ...]:
+        """Which inputs (closed-over values, then argument leaves) are differentiated when
+        the positional arguments `argnums` are, as in `jax.grad`: their floating-point
+        leaves. None: every floating-point input (for a loaded export: those it exported)."""
+        if argnums is None:
+            return self.entry.default_perturbed
+        positions = argnum_positions(f"aotgrad.compile({self.name}).trace(...)", argnums, self.n_args)
+        return self.entry.perturbed_for(positions)
+
+    def pair(self, argnums: int | Sequence[int] | None = None, *,
+             perturbed: Sequence[bool] | None = None) -> Pair:
+        """The program pair that differentiates `argnums` (see `perturbed`), or the inputs
+        `perturbed` marks, with a cotangent for every floating-point output; built on first
+        use, then the one calls and `fwd_and_bwd` use too."""
+        if perturbed is None:
+            perturbed = self.perturbed(argnums)
+        return self.entry.pair(tuple(perturbed), self.entry.default_has_ct())
+
+    def lower(self, argnums: int | Sequence[int] | None = None) -> "Lowered":
+        """Lowers the forward and backward programs of `pair(argnums)` for these inputs."""
+        pair = self.pair(argnums)
+        return Lowered(self.name, pair, *pair.lower(self.inputs))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Stages:
     """Shared by `Lowered` and `Compiled`: a forward and a backward `jax.stages` object."""
     name: str
-    pair: ProgramPair
+    pair: Pair
     forward: Any
     backward: Any
     timings: Timings

@@ -12,13 +12,17 @@ from jax.tree_util import tree_unflatten
 
 from aotgrad._jax_internals import Tracer
 from aotgrad.api.function import AOTFunction
+from aotgrad.api.function import compile as aot_compile
 from aotgrad.compilation_cache import ensure_compilation_cache
-from aotgrad.config import config
+from aotgrad.config import Snapshot, config
+from aotgrad.entry import Entry
 from aotgrad.export.blob import ExportError, encode_static
-from aotgrad.export.loaded import Exported, concrete, spec
-from aotgrad.report import Report, _report
-from aotgrad.runtime import Entry, ProgramPair
+from aotgrad.export.loaded import Exported
+from aotgrad.export.programs import concrete, spec
+from aotgrad.report import Report, report_of
+from aotgrad.runtime import ProgramPair
 from aotgrad.signature import argnum_positions
+from aotgrad.trace import ForwardTrace
 
 __all__ = ["export"]
 
@@ -45,24 +49,14 @@ def export(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
     ensure_compilation_cache()
     if isinstance(fn, Exported):
         raise TypeError(f"aotgrad.export: {fn!r} is already exported; serialize it instead.")
-    f = fn if isinstance(fn, AOTFunction) else AOTFunction(fn)
+    f = fn if isinstance(fn, AOTFunction) else aot_compile(fn)
     who = f"aotgrad.export({f.name})"
     options = config.snapshot()
-    for name in ("donate_saved", "detect_anomaly"):
-        if getattr(options, name):
-            raise ExportError(f"{who}: aotgrad.config.{name}=True is not supported by export (its "
-                              f"backward is guarded by Python code that is not exported); export "
-                              f"under aotgrad.config.patch({name}=False).")
-    if f._hooks.current:
-        raise ExportError(f"{who}: the function has {len(f._hooks.current)} backward hook(s) "
-                          f"({', '.join(h.name for h in f._hooks.current)}); hooks are Python functions "
-                          f"traced into the backward, and an export carries programs only. Remove "
-                          f"them (handle.remove()) before exporting, and apply the same transformation "
-                          f"to the loaded function's gradients.")
-    static, _, _ = f._spec.split(args, kwargs)
-    call, paths = f.resolved(args, kwargs)
-    entry = call.entry
-    if any(isinstance(x, Tracer) for x in call.inputs):
+    _check_exportable(who, f, options)
+    static, _, _ = f.spec.split(args, kwargs)
+    traced = f.trace(*args, **kwargs)
+    entry = traced.entry
+    if any(isinstance(x, Tracer) for x in traced.inputs):
         raise ExportError(f"{who}: called under a JAX transformation (an argument or a closed-over "
                           f"value is a tracer); export outside jax.jit / jax.grad, with arrays or "
                           f"jax.ShapeDtypeStructs.")
@@ -70,21 +64,24 @@ def export(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
     if argnums is not None:
         positions = argnum_positions(who, argnums, len(args))
     try:
-        pair = entry.pair(entry.perturbed_for(positions), entry.default_has_ct())
+        pair = traced.pair(perturbed=entry.perturbed_for(positions))
     except Exception as e:
-        if any(not concrete(x.shape) for x in call.inputs):
+        if any(not concrete(x.shape) for x in traced.inputs):
             raise ExportError(
                 f"{who}: building the programs with symbolic dimensions failed under "
-                f"partitioner={entry.strategy!r} ({type(e).__name__}: {e}). Export with concrete "
+                f"partitioner={options.partitioner!r} ({type(e).__name__}: {e}). Export with concrete "
                 f"shapes, or under aotgrad.config.patch(partitioner='vjp').") from e
         raise
-    programs = _export_programs(who, entry, pair, call.inputs, platforms)
+    fwd = entry.fwd
+    assert isinstance(pair, ProgramPair) and isinstance(fwd, ForwardTrace)  # a compiled function's entry
+    programs = _export_programs(who, entry, pair, traced.inputs, platforms)
+    spec = f.spec
     meta = {
         "name": f.name,
-        "param_names": list(f._spec.param_names),
-        "static_argnums": list(f._spec.static_argnums),
-        "static_argnames": list(f._spec.static_argnames),
-        "python_scalars": f._spec.python_scalars,
+        "param_names": list(spec.param_names),
+        "static_argnums": list(spec.static_argnums),
+        "static_argnames": list(spec.static_argnames),
+        "python_scalars": spec.python_scalars,
         "static": [[k, encode_static(who, k, v)] for k, v in static],
         "arg_positions": list(entry.arg_positions),
         "leaf_args": list(entry.leaf_args),
@@ -93,11 +90,27 @@ def export(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
         "n_outs": pair.n_outs,
         "saved_inputs": list(pair.split.saved_inputs),
         "config": json.loads(json.dumps(options.as_dict(), default=str)),
-        "autocast": None if entry.fwd.autocast is None else dataclasses.asdict(entry.fwd.autocast),
+        "autocast": None if fwd.autocast is None else dataclasses.asdict(fwd.autocast),
         "jax_version": jax.__version__,
-        "report": report_meta(_report(f, call, paths, pair, pair.timings, None, costs=False)),
+        "report": report_meta(report_of(traced, pair, pair.timings, None, costs=False)),
     }
-    return Exported(meta, programs, tuple(entry.fwd.consts))
+    return Exported(meta, programs, tuple(fwd.consts))
+
+
+def _check_exportable(who: str, f: AOTFunction, options: Snapshot) -> None:
+    """Options and hooks whose backward is Python code, not a program, are refused."""
+    for name in ("donate_saved", "detect_anomaly"):
+        if getattr(options, name):
+            raise ExportError(f"{who}: aotgrad.config.{name}=True is not supported by export (its "
+                              f"backward is guarded by Python code that is not exported); export "
+                              f"under aotgrad.config.patch({name}=False).")
+    hooks = f.hooks.current if f.hooks is not None else ()
+    if hooks:
+        raise ExportError(f"{who}: the function has {len(hooks)} backward hook(s) "
+                          f"({', '.join(h.name for h in hooks)}); hooks are Python functions "
+                          f"traced into the backward, and an export carries programs only. Remove "
+                          f"them (handle.remove()) before exporting, and apply the same transformation "
+                          f"to the loaded function's gradients.")
 
 
 def _export_programs(who: str, entry: Entry, pair: ProgramPair, inputs: Sequence[Any],

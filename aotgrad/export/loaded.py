@@ -1,55 +1,31 @@
-"""The loaded programs of an export: an `Exported` is an `AOTFunction` whose entry holds
-the three `jax.export` programs (in the shape of `runtime.Entry`), so calls, the
-`custom_vjp` glue and `fwd_and_bwd` are the compiled function's own; `deserialize` reads
-one from a blob."""
+"""The loaded programs of an export: an `Exported` is an `AOTFunction` whose one entry
+holds the three `jax.export` programs (`export.programs`), so calls, the `custom_vjp`
+glue and `fwd_and_bwd` are the compiled function's own; `deserialize` reads one from a
+blob."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
-from jax.tree_util import tree_leaves, tree_structure, tree_unflatten
 
-from aotgrad.api.function import AOTFunction, CacheInfo, _Call
-from aotgrad.api.stages import Lowered
+from aotgrad.api.cache import CacheInfo
+from aotgrad.api.function import AOTFunction
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.compilation_cache import ensure_compilation_cache
+from aotgrad.entry import Entry
 from aotgrad.export.blob import PROGRAMS, ExportError, decode_static, pack, unpack
+from aotgrad.export.programs import LoadedPair, concrete, loaded_entry, spec_of
 from aotgrad.partition.costs import nbytes as _nbytes
 from aotgrad.report import Memory, Report, SavedValue
-from aotgrad.runtime import Entry, Saved, Timings
-from aotgrad.signature import ArgSpec, argnum_positions, leaf_paths
+from aotgrad.runtime import Timings
+from aotgrad.signature import ArgSpec, argnum_positions
 
-__all__ = ["Exported", "concrete", "deserialize", "spec"]
+__all__ = ["Exported", "LoadedEntries", "deserialize"]
 
 _NO_HOOKS = ("aotgrad.Exported({name}): hooks cannot be added to an exported function: its backward "
              "is the exported program, which hooks cannot enter. Transform the gradients after the "
              "backward instead.")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Forward:
-    """What the runtime reads of a forward trace (`trace.ForwardTrace`), for loaded programs."""
-    consts: tuple[Any, ...]
-    in_avals: tuple[Any, ...]
-    out_avals: tuple[Any, ...]
-    out_tree: Any
-
-
-def concrete(shape: Sequence[Any]) -> bool:
-    return all(isinstance(d, (int, np.integer)) for d in shape)
-
-
-def spec(x: Any) -> jax.ShapeDtypeStruct:
-    """The export spec of one input: its type, and its sharding when it spans devices."""
-    sharding = getattr(x, "sharding", None)
-    if sharding is not None and (type(sharding) is SingleDeviceSharding or len(sharding.device_set) == 1):
-        sharding = None
-    aval = jax.typeof(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False),
-                                sharding=sharding)
 
 
 def _report_of(name: str, meta: dict[str, Any], avals: Sequence[Any], memory: Memory,
@@ -68,112 +44,47 @@ def _report_of(name: str, meta: dict[str, Any], avals: Sequence[Any], memory: Me
                   memory=memory)
 
 
-# ----------------------------------------------------------------------------- the loaded programs
+class LoadedEntries:
+    """Where an `Exported`'s calls find their entry (an `api.function.Entries`): its one
+    entry, for calls with the exported static values, structure, dtypes and shapes."""
 
-class _Pair:
-    """The exported forward and backward, seen by one differentiation pattern: `perturbed`
-    and `has_ct` are subsets of those exported (cotangents the pattern lacks are zeros,
-    gradients it does not ask for are dropped). Duck-types `runtime.ProgramPair` for the
-    `custom_vjp` rule and `fwd_and_bwd`."""
-
-    detect_anomaly = False  # a loaded pair runs the exported backward as it is
-
-    def __init__(self, entry: "_Entry", perturbed: tuple[bool, ...], has_ct: tuple[bool, ...]) -> None:
-        self.owner = entry.owner
+    def __init__(self, spec: ArgSpec, static: tuple[tuple[Any, Any], ...], entry: Entry) -> None:
+        self.spec = spec
+        self.static = static  # the static arguments it was exported with
         self.entry = entry
-        self.perturbed = perturbed
-        self.has_ct = has_ct
-        self.in_avals = entry.fwd.in_avals
-        self.n_outs = len(entry.fwd.out_avals)
-        self.layouts: dict[object, Any] = {}
-        self._keep = [p for p, q in zip(perturbed, entry.exported_perturbed, strict=True) if q]
 
-    def run_forward(self, inputs: Sequence[Any], hooks: Any = None) -> tuple[list[Any], Saved]:
-        assert hooks is None  # an Exported refuses hooks
-        results = self.entry.forward(*inputs)
-        saved = list(results[self.n_outs:])
-        saved.extend(inputs[i] for i in self.entry.saved_inputs)
-        return list(results[:self.n_outs]), Saved(saved, self)
+    @property
+    def name(self) -> str:
+        return self.spec.fn_name
 
-    def run_backward(self, saved: Saved, cts: Sequence[Any],
-                     present: tuple[bool, ...] | None = None) -> list[Any]:
-        """`present`: which of the cotangents `has_ct` names are given (the others are
-        zero: the exported backward takes them all, so they are filled in)."""
-        given = iter(cts)
-        marks = iter(present) if present is not None else None
-        full = []
-        for j, (want, have) in enumerate(zip(self.entry.exported_has_ct, self.has_ct, strict=True)):
-            here = have and (marks is None or next(marks))
-            if want:
-                aval = self.entry.fwd.out_avals[j]
-                full.append(next(given) if here else jax.numpy.zeros(aval.shape, aval.dtype))
-        grads = self.entry.backward(*saved.arrays, *full)
-        return [g for g, keep in zip(grads, self._keep, strict=True) if keep]
-
-    def lower(self, inputs: Sequence[Any]) -> tuple[Any, Any, Timings]:
-        """Both programs lowered for these inputs (the backward for the saved values and
-        cotangents they give)."""
-        results = jax.eval_shape(self.entry.forward, *inputs)
-        outs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in results[:self.n_outs]]
-        specs = [*results[self.n_outs:], *(spec(inputs[i]) for i in self.entry.saved_inputs),
-                 *(o for o, c in zip(outs, self.entry.exported_has_ct, strict=True) if c)]
-        return self.entry.forward.lower(*inputs), self.entry.backward.lower(*specs), Timings()
-
-
-class _Entry(Entry):
-    """The loaded programs of one `Exported`, in the shape of a `runtime.Entry` (so that
-    `AOTFunction.__call__`, its `custom_vjp` rule and `fwd_and_bwd` run them)."""
-
-    def __init__(self, meta: dict[str, Any], programs: dict[str, Any], consts: tuple[Any, ...]) -> None:
-        fo = programs["forward_only"]
-        consts_tree, args_tree, kwargs_tree = fo.in_tree.children()[0].children()
-        self.owner = meta["name"]
-        self.programs = programs
-        self.fwd = _Forward(consts, tuple(fo.in_avals), tuple(fo.out_avals), fo.out_tree)
-        self.in_tree = _tuple_tree(args_tree, kwargs_tree)
-        self.arg_positions = tuple(meta["arg_positions"])
-        self.leaf_args = tuple(meta["leaf_args"])
-        self.options = meta["config"]
-        self.strategy = meta["report"]["partitioner"]
-        self.exported_perturbed = tuple(meta["perturbed"])
-        self.exported_has_ct = tuple(meta["has_ct"])
-        self.saved_inputs = tuple(meta["saved_inputs"])
-        fo_args = _tuple_tree(consts_tree, args_tree, kwargs_tree)
-        self.forward_only = jax.jit(lambda *flat: tree_leaves(fo.call(*tree_unflatten(fo_args, flat))))
-        self.forward = jax.jit(programs["forward"].call)
-        self.backward = jax.jit(programs["backward"].call)
-        self.pairs: dict[tuple[tuple[bool, ...], tuple[bool, ...]], _Pair] = {}
-        self.plans: dict[object, Any] = {}
-        self.hooks = self.layout = None  # the backward is the exported program: no hooks
-        self.paths = leaf_paths(_spec_of(meta), self.in_tree)
-        self.call = self._differentiable()
-
-    def pair(self, perturbed: tuple[bool, ...], has_ct: tuple[bool, ...]) -> _Pair:  # type: ignore[override]
-        key = (perturbed, has_ct)
-        pair = self.pairs.get(key)
-        if pair is None:
-            n = len(self.fwd.consts)
-            extra = [self.paths[i - n] for i, (p, q) in enumerate(zip(perturbed, self.exported_perturbed, strict=True))
-                     if p and not q and i >= n]
-            if extra:
-                have = [self.paths[i - n] for i, q in enumerate(self.exported_perturbed) if q and i >= n]
+    def resolve(self, args: tuple, kwargs: dict) -> tuple[Entry, tuple[Any, ...]]:
+        ensure_compilation_cache()
+        static, dyn_args, dyn_kwargs = self.spec.split(args, kwargs)
+        if static != self.static:
+            raise ExportError(f"aotgrad.Exported({self.name}): static arguments {dict(static)} differ "
+                              f"from those it was exported with, {dict(self.static)}; export again "
+                              f"for these values.")
+        leaves, in_tree = self.spec.flatten(dyn_args, dyn_kwargs)
+        entry = self.entry
+        if in_tree != entry.in_tree:
+            raise ExportError(f"aotgrad.Exported({self.name}): the arguments have structure {in_tree}; "
+                              f"it was exported for {entry.in_tree}. Call it with arguments of that "
+                              f"structure, or export again for this one.")
+        wants = entry.fwd.in_avals[len(entry.fwd.consts):]
+        for path, leaf, want in zip(entry.layout.paths, leaves, wants, strict=True):
+            got = jax.typeof(leaf) if not isinstance(leaf, jax.ShapeDtypeStruct) else leaf
+            if got.dtype != want.dtype or not _fits(got.shape, want.shape):
                 raise ExportError(
-                    f"aotgrad.Exported({self.owner}): a gradient was asked for argument(s) "
-                    f"{', '.join(extra)}, which the export does not differentiate (it differentiates "
-                    f"{', '.join(have) or 'nothing'}). Export again with argnums naming them.")
-            pair = _Pair(self, perturbed, tuple(h and e for h, e in zip(has_ct, self.exported_has_ct, strict=True)))
-            self.pairs[key] = pair
-        return pair
+                    f"aotgrad.Exported({self.name}): argument {path} is {_text(got)}; it was exported "
+                    f"for {_text(want)}. Call it with that shape and dtype, or export again (with "
+                    f"jax.export.symbolic_shape dimensions for sizes that vary).")
+        return entry, (*entry.fwd.consts, *leaves)
 
+    def info(self) -> CacheInfo:
+        return CacheInfo(1, len(self.entry.pairs), 0, 0)
 
-def _tuple_tree(*trees: Any) -> Any:
-    """The structure of a tuple of these structures (in the default pytree registry)."""
-    return tree_structure(tuple(tree_unflatten(t, [0] * t.num_leaves) for t in trees))
-
-
-def _spec_of(meta: dict[str, Any]) -> ArgSpec:
-    return ArgSpec(meta["name"], tuple(meta["static_argnums"]), tuple(meta["static_argnames"]),
-                   tuple(meta["param_names"]), meta["python_scalars"])
+    def clear(self) -> None:
+        """Nothing to clear: the programs are the export."""
 
 
 class Exported(AOTFunction):
@@ -187,13 +98,14 @@ class Exported(AOTFunction):
     """
 
     def __init__(self, meta: dict[str, Any], programs: dict[str, Any], consts: tuple[Any, ...]) -> None:
+        spec = spec_of(meta)
+        static = tuple((k, decode_static(v)) for k, v in meta["static"])
+        entries = LoadedEntries(spec, static, loaded_entry(meta, programs, consts))
+        super().__init__(entries)
+        self.entry = entries.entry  # its one entry: the loaded programs
         self._meta = meta
         self._programs = programs
-        self._spec = _spec_of(meta)
-        self._static = tuple((k, decode_static(v)) for k, v in meta["static"])
-        self._entry = _Entry(meta, programs, consts)
-        self._nnx = False  # its arguments are the exported leaves: no graph nodes to split
-        self.__name__ = self.__qualname__ = self._spec.fn_name
+        self.__name__ = self.__qualname__ = spec.fn_name
         self.__doc__ = Exported.__doc__
 
     # ---------------------------------------------------------------- what it holds
@@ -215,12 +127,12 @@ class Exported(AOTFunction):
     @property
     def in_tree(self) -> Any:
         """The structure of `(args, kwargs)` it takes (static arguments excluded)."""
-        return self._entry.in_tree
+        return self.entry.in_tree
 
     @property
     def in_avals(self) -> tuple[Any, ...]:
         """The type of each argument leaf (closed-over values excluded)."""
-        return self._entry.fwd.in_avals[len(self._entry.fwd.consts):]
+        return self.entry.fwd.in_avals[len(self.entry.fwd.consts):]
 
     def serialize(self) -> bytes:
         """The bytes `aotgrad.deserialize` loads: header, metadata, programs, constants."""
@@ -236,7 +148,7 @@ class Exported(AOTFunction):
                 raise ExportError(f"aotgrad.Exported({self.name}).serialize needs the 'flatbuffers' "
                                   f"package (pip install 'aotgrad[export]'): {e}") from e
         consts = []
-        for i, c in enumerate(self._entry.fwd.consts):
+        for i, c in enumerate(self.entry.fwd.consts):
             if jax.dtypes.issubdtype(c.dtype, jax.dtypes.extended):
                 raise ExportError(f"aotgrad.Exported({self.name}).serialize: closed-over value {i} is "
                                   f"a {c.dtype} array, which cannot be stored; pass it as an argument.")
@@ -247,59 +159,29 @@ class Exported(AOTFunction):
 
     # ---------------------------------------------------------------- calling
 
-    def _resolve(self, args: tuple, kwargs: dict) -> _Call:
-        ensure_compilation_cache()
-        static, dyn_args, dyn_kwargs = self._spec.split(args, kwargs)
-        if static != self._static:
-            raise ExportError(f"aotgrad.Exported({self.name}): static arguments {dict(static)} differ "
-                              f"from those it was exported with, {dict(self._static)}; export again "
-                              f"for these values.")
-        leaves, in_tree = self._spec.flatten(dyn_args, dyn_kwargs)
-        entry = self._entry
-        if in_tree != entry.in_tree:
-            raise ExportError(f"aotgrad.Exported({self.name}): the arguments have structure {in_tree}; "
-                              f"it was exported for {entry.in_tree}. Call it with arguments of that "
-                              f"structure, or export again for this one.")
-        for path, leaf, want in zip(entry.paths, leaves, self.in_avals, strict=True):
-            got = jax.typeof(leaf) if not isinstance(leaf, jax.ShapeDtypeStruct) else leaf
-            if got.dtype != want.dtype or not _fits(got.shape, want.shape):
-                raise ExportError(
-                    f"aotgrad.Exported({self.name}): argument {path} is {_text(got)}; it was exported "
-                    f"for {_text(want)}. Call it with that shape and dtype, or export again (with "
-                    f"jax.export.symbolic_shape dimensions for sizes that vary).")
-        return _Call(entry, (*entry.fwd.consts, *leaves))
-
-    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
-        """Lowers the exported forward and backward programs for these arguments."""
-        call = self._resolve(args, kwargs)
-        pair = call.entry.pair(call.entry.exported_perturbed, call.entry.exported_has_ct)
-        return Lowered(self.name, pair, *pair.lower(call.inputs))  # type: ignore[arg-type]
-
     def explain(self, *args: Any, argnums: int | Sequence[int] | None = None, **kwargs: Any) -> Report:
         """The report made when it was exported (saved values with their source lines,
         recomputed primitives, casts), with XLA's memory analysis of the loaded programs."""
+        traced = self.trace(*args, **kwargs)
+        entry = traced.entry
         if argnums is not None:
-            who = f"aotgrad.explain({self.name})"
-            positions = argnum_positions(who, argnums, len(args))
-            asked = self._entry.perturbed_for(positions)
-            if asked != self._entry.exported_perturbed:
+            positions = argnum_positions(f"aotgrad.explain({self.name})", argnums, len(args))
+            if entry.perturbed_for(positions) != entry.default_perturbed:
                 raise ExportError(f"aotgrad.explain({self.name}): argnums={argnums} differentiates other "
                                   f"inputs than the exported programs; explain it without argnums.")
-        call = self._resolve(args, kwargs)
-        entry = self._entry
-        results = jax.eval_shape(entry.forward, *call.inputs)  # binds symbolic dimensions
-        avals = [*results[len(entry.fwd.out_avals):], *(call.inputs[i] for i in entry.saved_inputs)]
+        pair = traced.pair()
+        assert isinstance(pair, LoadedPair)
+        loaded = pair.programs
+        results = jax.eval_shape(loaded.forward, *traced.inputs)  # binds symbolic dimensions
+        avals = [*results[pair.n_outs:], *(traced.inputs[i] for i in loaded.saved_inputs)]
         if not all(concrete(a.shape) for a in avals):
             raise ExportError(f"aotgrad.explain({self.name}): the export has symbolic dimensions; "
                               f"explain it for arrays (or ShapeDtypeStructs) of concrete shapes.")
-        compiled = self.lower(*args, **kwargs).compile()
+        compiled = traced.lower().compile()
         jaxprs = {name: jax.make_jaxpr(self._programs[name].call)(*self._programs[name].in_avals)
                   for name in ("forward", "backward")}
         return _report_of(self.name, self._meta["report"], avals, Memory.of(compiled), jaxprs,
                           compiled.timings.compile)
-
-    def cache_info(self) -> CacheInfo:
-        return CacheInfo(1, len(self._entry.pairs), 0, 0)
 
     def register_prehook(self, fn: Callable[[Any], Any]) -> Any:
         """Not supported: the backward is the exported program (raises `ExportError`)."""
@@ -308,9 +190,6 @@ class Exported(AOTFunction):
     def register_hook(self, fn: Callable[..., Any], per_leaf: bool = False) -> Any:
         """Not supported: the backward is the exported program (raises `ExportError`)."""
         raise ExportError(_NO_HOOKS.format(name=self.name))
-
-    def clear_cache(self) -> None:
-        """Nothing to clear: the programs are the export."""
 
     def __repr__(self) -> str:
         return f"aotgrad.Exported({self.name})"

@@ -1,0 +1,182 @@
+"""The entries of one compiled function: a call resolved to the entry of its signature,
+traced on a miss (`EntryCache`), least recently used evicted past `cache_size_limit`."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import warnings
+from typing import Any, Callable
+
+import jax
+from jax.tree_util import tree_unflatten
+
+from aotgrad import jit_key
+from aotgrad._jax_internals import Tracer
+from aotgrad.autocast.context import current_setting, current_state
+from aotgrad.compilation_cache import ensure_compilation_cache
+from aotgrad.config import Snapshot, config
+from aotgrad.entry import Entry, HookSource, compiled_entry
+from aotgrad.hooks import ArgLayout
+from aotgrad.pipeline import trace_forward
+from aotgrad.runtime import ProgramPair
+from aotgrad.signature import (ArgSpec, CallKey, Static, describe_key_change, key_distance, leaf_key, leaf_paths,
+                               static_leaves, unwrap_static)
+
+__all__ = ["CacheInfo", "EntryCache"]
+
+logger = logging.getLogger("aotgrad")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheInfo:
+    """What one compiled function holds: signatures (entries), program pairs, and backward
+    programs (a pair has one per set of hooks and of gradient shardings it ran with)."""
+    entries: int
+    pairs: int
+    hits: int
+    misses: int
+    backwards: int = 0
+
+
+class EntryCache:
+    """The compiled entries of `fn`, one per call signature (argument structure, shapes,
+    dtypes, static arguments, keyed options, autocast setting)."""
+
+    def __init__(self, fn: Callable[..., Any], spec: ArgSpec, donate_argnums: tuple[int, ...],
+                 hooks: HookSource) -> None:
+        self.fn = fn
+        self.spec = spec
+        self.donate_argnums = donate_argnums
+        self.hooks = hooks  # the function's hooks, read by its entries when a forward runs
+        self.entries: collections.OrderedDict[CallKey, Entry] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._last_key: CallKey | None = None
+        self._warned_eviction = False
+        self._noted_identity = False
+        self._hits = self._misses = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.fn_name
+
+    def resolve(self, args: tuple, kwargs: dict) -> tuple[Entry, tuple[Any, ...]]:
+        """The entry of this call's signature (traced on a miss) and its flat inputs
+        (closed-over values, then argument leaves)."""
+        static, dyn_args, dyn_kwargs = self.spec.split(args, kwargs)
+        leaves, in_tree = self.spec.flatten(dyn_args, dyn_kwargs)
+        snapshot = config.snapshot()
+        jit_key.check(config.keyed_overrides(), current_state(), leaves, self.name)
+        key = CallKey(static, in_tree, tuple(map(leaf_key, leaves)), snapshot.key, current_setting())
+        entry = self.entries.get(key)  # hit path without the lock: dict reads are atomic
+        if entry is not None:
+            try:
+                self.entries.move_to_end(key)
+            except KeyError:  # evicted by another thread meanwhile; still valid for this call
+                pass
+            self._hits += 1
+            self._last_key = key
+        else:
+            entry = self._build(key, snapshot, len(args), leaves)
+        return entry, (*entry.fwd.consts, *leaves)
+
+    def _build(self, key: CallKey, snapshot: Snapshot, n_args: int, leaves: list) -> Entry:
+        """Cache miss: traces the forward and stores a new entry."""
+        ensure_compilation_cache()
+        with self._lock:
+            self._misses += 1
+            last = self._last_key
+            cached = list(self.entries)
+        if snapshot.log_recompiles and last is not None:
+            # Blame the difference from the nearest cached key (fewest differing fields).
+            nearest = min(reversed(cached), key=lambda k: key_distance(k, key), default=last)
+            logger.warning("aotgrad: compiling %s again: %s", self.name,
+                           "; ".join(describe_key_change(self.spec, nearest, key)))
+        self._note_identity_keys(key, snapshot)
+        fwd = self._trace(key, leaves)
+        arg_positions = tuple(i for i in range(n_args) if i not in self.spec.static_argnums
+                              and (i - n_args) not in self.spec.static_argnums)
+        layout = ArgLayout(self.name, len(fwd.consts), key.in_tree, arg_positions, n_args,
+                           tuple(leaf_paths(self.spec, key.in_tree)), fwd.out_tree)
+        entry = compiled_entry(layout, fwd, snapshot, self.donate_argnums, self.hooks)
+        if any(isinstance(c, Tracer) for c in fwd.consts):
+            return entry  # closes over an enclosing transform's tracers: valid for this call only
+        with self._lock:
+            self.entries[key] = entry
+            self._last_key = key
+            self._evict(snapshot.cache_size_limit)
+        return entry
+
+    def _trace(self, key: CallKey, leaves: list) -> Any:
+        """The forward traced for this key (`pipeline.trace_forward`)."""
+        static, in_tree = key.static, key.in_tree
+
+        def flat_fn(*flat: Any) -> Any:
+            dyn_args, dyn_kwargs = unwrap_static(tree_unflatten(in_tree, flat))
+            a, k = self.spec.merge(static, dyn_args, dyn_kwargs)
+            return self.fn(*a, **k)
+
+        try:
+            return trace_forward(flat_fn, self.name, tuple(map(jax.typeof, leaves)), key.autocast)
+        except (jax.errors.ConcretizationTypeError, TypeError) as e:
+            raise self._traced_scalar_error(e, in_tree, leaves) from e
+
+    def _evict(self, limit: int) -> None:
+        """Drops the least recently used entries past `limit` (warns once); under the lock."""
+        while len(self.entries) > limit:
+            self.entries.popitem(last=False)
+            if not self._warned_eviction:
+                self._warned_eviction = True
+                warnings.warn(
+                    f"aotgrad.compile({self.name}) has compiled for more than "
+                    f"cache_size_limit={limit} signatures; evicting the least recently used. "
+                    f"Set aotgrad.config.log_recompiles = True to see why calls miss the cache, "
+                    f"or raise aotgrad.config.cache_size_limit.", stacklevel=6)
+
+    def _traced_scalar_error(self, error: Exception, in_tree: Any, leaves: list) -> Exception:
+        """`error` itself, or, when the trace needed a concrete value and Python scalars were
+        traced (`jax.jit`'s rule), a TypeError that names them and `python_scalars`."""
+        concrete = isinstance(error, jax.errors.ConcretizationTypeError) or "concrete" in str(error)
+        paths = leaf_paths(self.spec, in_tree)
+        scalars = [f"{p} ({type(x).__name__} {x!r})" for p, x in zip(paths, leaves, strict=True)
+                   if isinstance(x, (bool, int, float, complex))]
+        if not (concrete and scalars):
+            return error
+        return TypeError(
+            f"aotgrad.compile({self.name}): tracing needed a concrete value, and these Python scalar "
+            f"arguments are traced (as jax.jit traces them): {', '.join(scalars)}. If one of them sets a "
+            f"shape, an axis or control flow, pass it as a static argument (static_argnums / "
+            f"static_argnames), or use aotgrad.compile(..., python_scalars=\"static\") to make every "
+            f"Python scalar static (as eqx.filter_jit does). JAX said: {type(error).__name__}: "
+            f"{str(error).splitlines()[0]}")
+
+    def _note_identity_keys(self, key: CallKey, snapshot: Snapshot) -> None:
+        """Once per function, with `log_recompiles`: which static values are unhashable and
+        therefore keyed by identity."""
+        if self._noted_identity or not snapshot.log_recompiles:
+            return
+        tree = tree_unflatten(key.in_tree, [0] * key.in_tree.num_leaves)
+        found = [f"argument {self.spec.arg_name(k) if isinstance(k, int) else k}" for k, v in key.static
+                 if isinstance(v, Static)]
+        found += [f"argument {path}" for path, (_, v) in
+                  zip(leaf_paths(self.spec, key.in_tree, static=True), static_leaves(tree), strict=True)
+                  if v.by_identity]
+        if found:
+            self._noted_identity = True
+            logger.warning("aotgrad: %s: %s not hashable, so the cache is keyed on the object's "
+                           "identity: passing another object, even an equal one, compiles again.",
+                           self.name, ", ".join(found) + (" is" if len(found) == 1 else " are"))
+
+    def info(self) -> CacheInfo:
+        """Entries (call signatures), program pairs, hits and misses."""
+        with self._lock:
+            pairs = [p for e in self.entries.values() for p in e.pairs.values()]
+            backwards = sum(len(p.run_backward.programs) for p in pairs if isinstance(p, ProgramPair))
+            return CacheInfo(len(self.entries), len(pairs), self._hits, self._misses, backwards)
+
+    def clear(self) -> None:
+        """Drops every entry; the next call traces again."""
+        with self._lock:
+            self.entries.clear()
+            self._last_key = None
