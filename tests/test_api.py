@@ -1,8 +1,10 @@
 """The compile pipeline's contract: paths taken, caching, AOT stages, explain, bad input."""
 from __future__ import annotations
 
+import collections.abc
 import logging
 import os
+import typing
 import warnings
 
 import jax
@@ -463,3 +465,18 @@ def test_log_recompiles_blames_the_nearest_cached_key(caplog):
     assert len(messages) == 1
     assert "static argument n changed: 1 -> 2" in messages[0]
     assert "float32[8]" not in messages[0], messages[0]
+
+
+def test_compile_keeps_the_signature_for_type_checkers():
+    """`AOTFunction` is generic over the wrapped function's parameters and result, and
+    `compile`'s overloads say so for the bare and the configured decorator."""
+    from aotgrad.api import function
+
+    assert function.AOTFunction.__parameters__ == (function.P, function.R)
+    call = typing.get_type_hints(function.AOTFunction.__call__)
+    assert (call["args"], call["kwargs"], call["return"]) == (function.P.args, function.P.kwargs, function.R)
+    bare, configured = (typing.get_type_hints(o)["return"] for o in typing.get_overloads(aotgrad.compile))
+    assert bare == function.AOTFunction[function.P, function.R]
+    assert typing.get_origin(configured) is collections.abc.Callable
+    assert typing.get_args(configured)[1] == function.AOTFunction[function.P, function.R]
+    assert aotgrad.AOTFunction[[int, float], int] is not None  # subscriptable as a type

@@ -4,7 +4,7 @@ loaded entry), then run by the runtime."""
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Generic, ParamSpec, Protocol, Sequence, TypeVar, overload
 
 from jax.tree_util import tree_unflatten
 
@@ -17,6 +17,9 @@ from aotgrad.nnx import NnxCall, UserView, has_graph_nodes
 from aotgrad.signature import ArgSpec, normalize_argnums
 
 __all__ = ["AOTFunction", "Entries", "compile"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _FORWARD_MODE_HINT = (
     "aotgrad.compile({name}) is reverse-mode only: its backward is a separately compiled "
@@ -41,7 +44,7 @@ class Entries(Protocol):
         """Drops what can be built again."""
 
 
-class AOTFunction:
+class AOTFunction(Generic[P, R]):
     """A function compiled ahead of time into forward and backward XLA programs.
 
     Calling it outside autodiff runs a forward-only program; under `jax.grad`, `jax.vjp`
@@ -54,7 +57,7 @@ class AOTFunction:
 
     def __init__(self, entries: Entries, hooks: Hooks | None = None,
                  on_graph_nodes: Callable[[], NnxCall] | None = None,
-                 wrapped: Callable | None = None) -> None:
+                 wrapped: Callable[P, R] | None = None) -> None:
         """`entries`: where calls find their entry; `hooks`: where `register_hook` adds hooks
         (None: it takes none); `on_graph_nodes`: makes the `nnx.NnxCall` that runs calls with
         flax graph nodes among the arguments (None: arguments are taken as they are);
@@ -73,7 +76,7 @@ class AOTFunction:
 
     # ---------------------------------------------------------------- calling
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if self._on_graph_nodes is not None and has_graph_nodes(args, kwargs):
             if self._nnx is None:
                 self._nnx = self._on_graph_nodes()
@@ -132,14 +135,14 @@ class AOTFunction:
 
     # ---------------------------------------------------------------- ahead of time
 
-    def trace(self, *args: Any, **kwargs: Any) -> Traced:
+    def trace(self, *args: P.args, **kwargs: P.kwargs) -> Traced:
         """The entry of these arguments (arrays or `jax.ShapeDtypeStruct`s), traced on a
         miss, as `jax.jit(f).trace(...)`: its forward jaxpr, its program pairs (`.pair()`
         builds one), `.lower()`."""
         entry, inputs = self.entries.resolve(args, kwargs)
         return Traced(self.name, entry, inputs)
 
-    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+    def lower(self, *args: P.args, **kwargs: P.kwargs) -> Lowered:
         """Lowers the forward and backward programs for these arguments (arrays or
         `jax.ShapeDtypeStruct`s), differentiating every floating-point input:
         `trace(*args, **kwargs).lower()`."""
@@ -168,9 +171,21 @@ class AOTFunction:
         return self if obj is None else functools.partial(self, obj)
 
 
-def compile(fn: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
+@overload
+def compile(fn: Callable[P, R], *, static_argnums: int | Sequence[int] = (),
             static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
-            python_scalars: str = "traced") -> Any:
+            python_scalars: str = "traced") -> AOTFunction[P, R]: ...
+
+
+@overload
+def compile(fn: None = None, *, static_argnums: int | Sequence[int] = (),
+            static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
+            python_scalars: str = "traced") -> Callable[[Callable[P, R]], AOTFunction[P, R]]: ...
+
+
+def compile(fn: Callable[P, R] | None = None, *, static_argnums: int | Sequence[int] = (),
+            static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
+            python_scalars: str = "traced") -> AOTFunction[P, R] | Callable[[Callable[P, R]], AOTFunction[P, R]]:
     """Compiles `fn` ahead of time into separate forward and backward XLA programs.
 
     Usable bare (``@aotgrad.compile``) or with arguments
@@ -191,14 +206,14 @@ def compile(fn: Callable | None = None, *, static_argnums: int | Sequence[int] =
         python_scalars: "traced" (default, as `jax.jit`) or "static" (as `eqx.filter_jit`:
             Python bool/int/float/complex leaves are part of the cache key).
     """
-    def wrap(f: Callable) -> AOTFunction:
+    def wrap(f: Callable[P, R]) -> AOTFunction[P, R]:
         return _compiled(f, static_argnums, static_argnames, donate_argnums, python_scalars)
     return wrap if fn is None else wrap(fn)
 
 
-def _compiled(fn: Callable, static_argnums: int | Sequence[int], static_argnames: str | Sequence[str],
+def _compiled(fn: Callable[P, R], static_argnums: int | Sequence[int], static_argnames: str | Sequence[str],
               donate_argnums: int | Sequence[int], python_scalars: str,
-              hooks_view: HookSource | None = None) -> AOTFunction:
+              hooks_view: HookSource | None = None) -> AOTFunction[P, R]:
     """`fn` compiled. `hooks_view`: the hooks its backward runs, when they are another
     function's (the function an `nnx.NnxCall` traces runs its owner's, adapted); it then
     takes arguments as they are (graph nodes already split to states)."""
