@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> None:
             f = aotgrad.compile(stack)
             with aotgrad.config.patch(partitioner=name):
                 t0 = time.perf_counter()
-                call = f._resolve((params, x), {})
+                traced = f.trace(params, x)
                 forward_trace = time.perf_counter() - t0
-                pair = call.entry.pair(call.entry.perturbed_for(None), call.entry.default_has_ct())
+                pair = traced.pair()
                 compile_s = float("nan")
                 if not args.no_compile:
                     compile_s = f.lower(params, x).compile().timings.compile
