@@ -9,12 +9,13 @@ What differs between devices today:
 - how recomputation waits for its cotangent (`partition/schedule.py`: data ties where XLA
   removes barriers, on CPU; barriers elsewhere): chosen again at lowering, per platform;
 - whether a recomputed value that a backward matmul reads costs its write and read
-  (`matmul_operands_cost`): on GPU and TPU step time follows the bytes a step moves, and a
-  matmul reads its operands from memory, so a recomputed operand is written there and read
-  back; a saved one was written in the forward anyway (it was a forward matmul's operand
-  too). On XLA:CPU charging them did not make a step faster (an Equinox ViT at the default:
-  1.08-1.11x plain jit's step time without the charge, 1.14x with it, at a higher peak),
-  so there the lower peak is kept.
+  (`matmul_operands_cost`), in the cuts below budget 1 (budget 1 is the fused step's plan
+  on every device): on GPU and TPU step time follows the bytes a step moves, and a matmul
+  reads its operands from memory, so a recomputed operand is written there and read back;
+  a saved one was written in the forward anyway (it was a forward matmul's operand too).
+  On XLA:CPU charging them did not make a step faster (an Equinox ViT at the cheapest
+  cut: 1.14x plain jit's step time with the charge, 1.08-1.11x without, at a higher
+  peak), so there the lower peak is kept.
 """
 from __future__ import annotations
 

@@ -7,10 +7,11 @@ plugin (`pip install -e '.[gpu-target]'`); without it every case is skipped.
 - aotgrad decides how recomputation waits for its cotangent from the platform the step is
   lowered for, not the host: lowered for the H100, the backward holds barriers and none of
   XLA:CPU's data ties; lowered for the host's CPU, the reverse.
-- The jitted step's peak on the H100 (XLA's `memory_analysis()`) is below the fused
-  `jax.jit(jax.value_and_grad)` step's at the default budget, and lower again at budget 0.
+- The jitted step at the default budget (the fused step's plan) moves the fused
+  `jax.jit(jax.value_and_grad)` step's bytes at its peak (XLA's `memory_analysis()`), and
+  budget 0's peak is lower.
 - Recomputation costs no memory traffic a checkpoint policy would not: on an MLP the
-  default budget's step moves no more bytes than `dots_saveable`'s, at its peak.
+  cheapest cut (just below budget 1) moves no more bytes than `dots_saveable`'s, at its peak.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from benchmarks.strategies import xla_peak  # noqa: E402
 
 TARGET = pathlib.Path(__file__).resolve().parents[2] / "shared" / "targets" / "h100.txtpb"
 SIZES = dict(batch=4, seq=128, d_model=128, heads=4, layers=2, vocab=256)  # activations outweigh params
+CHEAPEST = 0.99  # just below budget 1 (the fused step's plan): the cheapest cut, which recomputes
 
 
 @pytest.fixture(scope="module")
@@ -68,17 +70,17 @@ def _peak(w, args, budget=None):
 
 def test_the_h100_step_waits_through_barriers_the_host_step_through_data(h100_args):
     w, args = h100_args
-    gpu = _lowered_text(w, args, 1.0)
+    gpu = _lowered_text(w, args, CHEAPEST)
     assert gpu.count("optimization_barrier") > 0 and gpu.count("bitcast_convert") == 0
-    cpu = _lowered_text(w, (w.params, w.batch), 1.0)
+    cpu = _lowered_text(w, (w.params, w.batch), CHEAPEST)
     assert cpu.count("optimization_barrier") == 0 and cpu.count("bitcast_convert") > 0
 
 
-def test_the_h100_step_peak_is_below_the_fused_step(h100_args):
+def test_the_h100_step_peak_is_at_most_the_fused_steps(h100_args):
     w, args = h100_args
     fused, default, zero = _peak(w, args), _peak(w, args, 1.0), _peak(w, args, 0.0)
-    assert default < fused, (default, fused)
-    assert zero < default, (zero, default)
+    assert default <= fused, (default, fused)
+    assert zero < 0.8 * default, (zero, default)
 
 
 def test_the_target_benchmark_reports_xla_numbers_for_every_strategy():
@@ -112,38 +114,41 @@ def test_explain_reports_the_programs_compiled_for_the_target(h100_args):
 
 
 def test_recomputation_moves_no_more_bytes_than_a_checkpoint_policy():
-    """On the H100 the default budget saves what `dots_saveable` saves on an MLP, and its
+    """On the H100 the cheapest cut saves what `dots_saveable` saves on an MLP, and its
     step moves no more bytes (HLO bytes accessed, deterministic) at the same peak. Before,
     each group of recomputed equations passed the values an earlier group recomputed
     through its barrier too, and XLA wrote them to memory between fusions: 1.27x the
     fused step's bytes where the policy moves 1.01x."""
     from benchmarks import targets
-    strategies = ["fused", "checkpoint:dots_saveable", "aotgrad:min_cut@1"]
+    strategies = ["fused", "checkpoint:dots_saveable", f"aotgrad:min_cut@{CHEAPEST}"]
     rows = targets.run_target("h100", [("mlp", "mlp", dict(batch=256, width=512, depth=4))],
                               strategies=strategies, log=lambda _: None)
-    fused, policy, default = (r for r in rows)
-    assert default.bytes_accessed <= 1.01 * policy.bytes_accessed, (default, policy)
-    assert default.bytes_accessed <= 1.05 * fused.bytes_accessed, (default, fused)
-    assert default.peak <= 1.01 * policy.peak < fused.peak, (default, policy, fused)
+    fused, policy, cheapest = (r for r in rows)
+    assert cheapest.bytes_accessed <= 1.01 * policy.bytes_accessed, (cheapest, policy)
+    assert cheapest.bytes_accessed <= 1.05 * fused.bytes_accessed, (cheapest, fused)
+    assert cheapest.peak <= 1.01 * policy.peak < fused.peak, (cheapest, policy, fused)
 
 
-def test_the_default_moves_about_the_fused_steps_bytes_on_the_h100(h100_args):
-    """Built for the H100, a recomputed value a backward matmul reads costs its write and
-    read (the device profile's `matmul_operands_cost`): the default is the plan that moves
-    the fewest bytes, about the fused step's (before: 1.13x on the suite's GPT),
-    at a peak no higher than the fused step's. Built for the host's CPU, the same function
-    keeps its lower peak: the two are separate cache entries."""
+def test_the_default_moves_the_fused_steps_bytes_on_the_h100(h100_args):
+    """The default (budget 1) is the fused step's plan: the jitted step moves the fused
+    step's bytes at its peak. Just below it, the cheapest cut built for the H100 charges a
+    recomputed value a backward matmul reads its write and read (the device profile's
+    `matmul_operands_cost`): it moves about the fused step's bytes (1.038x with jax
+    0.12.0.1's XLA:GPU, 1.053x with 0.10.2's; without the charge 1.10x). Built for the
+    host's CPU, the same function keeps its lower peak: the two are separate cache entries."""
     from aotgrad._jax_internals import hlo_cost
     w, args = h100_args
     fused = jax.jit(jax.value_and_grad(w.loss_fn)).lower(*args).compile()
     f = aotgrad.compile(w.loss_fn)
     default = jax.jit(jax.value_and_grad(f)).lower(*args).compile()
-    # Measured: 1.038x with jax 0.12.0.1's XLA:GPU, 1.053x with 0.10.2's (without the
-    # charge: 1.10x); the bound catches the charge going missing on either.
-    assert hlo_cost(default)["bytes accessed"] <= 1.06 * hlo_cost(fused)["bytes accessed"]
+    assert hlo_cost(default)["bytes accessed"] <= 1.001 * hlo_cost(fused)["bytes accessed"]
     assert xla_peak(default.memory_analysis()) <= xla_peak(fused.memory_analysis())
-    host = aotgrad.explain(f, w.params, w.batch)
-    target = aotgrad.explain(f, *args)
+    with aotgrad.config.patch(activation_memory_budget=CHEAPEST):
+        f = aotgrad.compile(w.loss_fn)
+        cheapest = jax.jit(jax.value_and_grad(f)).lower(*args).compile()
+        host = aotgrad.explain(f, w.params, w.batch)
+        target = aotgrad.explain(f, *args)
+    assert hlo_cost(cheapest)["bytes accessed"] <= 1.06 * hlo_cost(fused)["bytes accessed"]
     assert (host.device, target.device) == ("cpu", "h100")
     assert host.saved_bytes < target.saved_bytes
 

@@ -1,9 +1,13 @@
 """`activation_memory_budget`: trading recomputation for a lower step peak.
 
-The budget spans the step's peak memory, as estimated before compiling (`peak.py`): at
-budget 1 the min-cut's runtime-optimal set is saved (estimated peak P1); at budget 0 the
-candidate with the lowest estimated peak P0; in between, the cheapest candidate whose
-estimated peak is at most P0 + budget x (P1 - P0).
+Budget 1 is the fused step's plan (`Problem.top_cut`: outside scans nothing is
+recomputed, so the step moves what `jax.jit(jax.value_and_grad(f))` moves; see there why).
+Below 1 the budget spans the step's peak memory, as estimated before compiling
+(`peak.py`): P1 is the estimated peak of the cut that moves the fewest bytes by the cost
+model (`Problem.cheapest_cut`), P0 the lowest among the candidates, and a budget b < 1
+takes the cheapest candidate whose estimated peak is at most P0 + b x (P1 - P0). So a
+budget just below 1 is the cheapest cut, which recomputes cheap work and waits for its
+cotangent (`schedule.py`) for a lower peak, at a cost in bytes the model does not see.
 
 The candidates:
 - A knapsack over individual values would ignore that recomputing one value changes what
@@ -49,7 +53,7 @@ from aotgrad.partition.split import recompute_late
 if TYPE_CHECKING:  # min_cut imports scan, which imports scan_schedule from here
     from aotgrad.partition.min_cut import Cut, Problem
 
-__all__ = ["GREEDY_STEPS", "PRICES", "Budget", "Bytes", "Choice", "ScanSchedule", "choices", "ladder",
+__all__ = ["FUSED_REASON", "GREEDY_STEPS", "PRICES", "Budget", "Bytes", "Choice", "ScanSchedule", "choices", "ladder",
            "parse_bytes", "scan_schedule", "within_budget"]
 
 
@@ -62,7 +66,8 @@ class Bytes:
         return f"{self.n:,} bytes"
 
 
-# A fraction in [0, 1] between the lowest and the runtime-optimal estimated peak, or bytes.
+# A fraction in [0, 1]: 1 the fused step's plan, below it between the lowest and the
+# cheapest cut's estimated peak (see above). Or bytes.
 Budget = Union[float, Bytes]
 
 _UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
@@ -88,6 +93,8 @@ def parse_bytes(value: int | str) -> int:
         raise ValueError(f"{value!r} is not a whole number of bytes ({float(size):,.3f}).")
     return int(size)
 
+# Why budget 1 saves a value outside scans (`Problem.top_cut`).
+FUSED_REASON = "budget 1: saved, as the fused step keeps it (recomputing costs time)"
 # Extra cost per saved byte, in the cost model's units (a byte moved costs 1 or 2).
 PRICES = tuple(2.0 ** k for k in range(-4, 13))
 SAME_PEAK = 0.01  # estimated peaks this close (relative) count as equal: the cheaper cut wins
@@ -95,10 +102,10 @@ GREEDY_STEPS = 24  # at most this many greedy cuts (more values are forbidden pe
 
 
 def ladder(problem: Problem, relaxed: np.ndarray) -> list[Cut]:
-    """Candidate cuts: the full cut, the priced cuts, the greedy cuts, and last the cut
+    """Candidate cuts: the cheapest cut, the priced cuts, the greedy cuts, and last the cut
     that saves only what can never be recomputed. `relaxed`: recompute costs with
     compute-bound equations allowed."""
-    full = problem.full_cut()
+    full = problem.cheapest_cut()
     cuts = [full]
     cuts += _priced(problem, relaxed)
     cuts += _greedy(problem, full, relaxed)
@@ -110,7 +117,7 @@ def ladder(problem: Problem, relaxed: np.ndarray) -> list[Cut]:
 def _greedy(problem: Problem, start: Cut, relaxed: np.ndarray) -> list[Cut]:
     """Pricing finds the convex hull of (bytes, cost) and skips points between (when
     several layers cost the same, all flip at one price). These fill the gaps: from the
-    full cut, repeatedly forbid saving the compute-bound values that free the most bytes
+    cheapest cut, repeatedly forbid saving the compute-bound values that free the most bytes
     per unit of recompute cost, and solve again."""
     position = problem.position
     save = problem.save_costs.copy()
@@ -175,9 +182,9 @@ class Choice:
 
 def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
     """The candidates a budget chooses from, by estimated peak from lowest to highest
-    (the full cut last): each cheaper to run and saving no fewer bytes than the one
+    (the cheapest cut last): each cheaper to run and saving no fewer bytes than the one
     before, so that the step's peak, the saved bytes and the speed all rise with the
-    budget. The full cut comes first in the list of all candidates and is always kept.
+    budget. The cheapest cut comes first in the list of all candidates and is always kept.
     `stacked`: the graph is a scan body. Its saved values are stacked over the iterations
     and outweigh one iteration's working set, so there the saved bytes stand for the
     peak, and the scan's own schedule (`scan_schedule`) is built on them too."""
@@ -194,7 +201,7 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
     floor = 0.0  # the lowest peak among candidates about as low as kept[-1]'s
     for c in sorted(rest, key=lambda c: (c.peak, c.cost, -c.saved)):
         if c.peak >= full.peak * (1 - SAME_PEAK):
-            continue  # no lower than the full cut's, for more work
+            continue  # no lower than the cheapest cut's, for more work
         if kept and c.peak <= floor * (1 + SAME_PEAK):  # about the same peak: the cheaper one
             before = kept[-2].saved if len(kept) > 1 else 0
             if c.cost < kept[-1].cost and c.saved >= before:
@@ -209,13 +216,13 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
 
 def within_budget(problem: Problem, budget: Budget, stacked: bool = False) -> dict[Var, str]:
     """The cheapest candidate whose estimated step peak fits the budget: the limit is
-    P0 + budget x (P1 - P0), P1 the full cut's estimated peak, P0 the lowest (saved
+    P0 + budget x (P1 - P0), P1 the cheapest cut's estimated peak, P0 the lowest (saved
     bytes for a scan body: `stacked`), or the budget itself if it is `Bytes`."""
     what = "saves" if stacked else "estimated step peak"
-    if isinstance(budget, Bytes) and not stacked:  # the runtime-optimal cut, if it fits
-        full = problem.full_cut()
-        if _step_peak(full) <= budget.n:
-            return full.reasons()  # the plan of budget 1
+    if isinstance(budget, Bytes) and not stacked:  # budget 1's plan, if it fits
+        top = problem.top_cut(stacked)
+        if _step_peak(top) <= budget.n:
+            return top.reasons(FUSED_REASON)
     steps = choices(problem, stacked)
     low, high = steps[0].peak, steps[-1].peak
     if isinstance(budget, Bytes):
