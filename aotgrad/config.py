@@ -169,10 +169,12 @@ _OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("partitioner", "min_cut", _choice("partitioner", _partitioner_names), str,
            "Strategy that chooses which forward values the backward reads from memory.", keyed=True),
     Option("activation_memory_budget", 1.0, _budget, _env_budget,
-           "Where in [0, 1] the min_cut partitioner's step peak may lie, between the lowest it "
-           "estimates (0: matmuls recomputed, layer boundaries saved) and that of its "
-           "runtime-optimal set (1); it takes the cheapest cut within. Or a byte size (an int "
-           "above 1, or '12GB', '512MiB'): the cheapest cut whose estimated step peak fits.",
+           "1: the fused step's plan (the min_cut partitioner recomputes nothing outside scans, "
+           "so a jitted step costs what jax.jit(jax.value_and_grad(f)) costs). Below 1, where "
+           "the step peak may lie, between the lowest it estimates (0: matmuls recomputed, "
+           "layer boundaries saved) and that of its cheapest cut (just below 1: cheap work "
+           "recomputed); it takes the cheapest cut within. Or a byte size (an int above 1, or "
+           "'12GB', '512MiB'): the cheapest cut whose estimated step peak fits.",
            keyed=True),
     Option("backward_pass_autocast", "same_as_forward", _backward_pass_autocast, _env_json_or_text,
            "Autocast context the backward program is built under: 'same_as_forward', 'off', "
