@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import aotgrad
 from aotgrad.partition.boundaries import boundaries
 from aotgrad.partition.peak import _program_peak
-from tests.test_partition import _graph
+from cuts import joint_graph
 
 min_cut = importlib.import_module("aotgrad.partition.min_cut")  # the module, not the strategy
 
@@ -18,7 +18,7 @@ L, B, D = 3, 8, 16
 
 
 def _problem(fn, *args):
-    return min_cut.Problem.of(_graph(fn, *args))
+    return min_cut.Problem.of(joint_graph(fn, *args))
 
 
 def residual_mlp(ws: list, x: jax.Array) -> jax.Array:
