@@ -13,10 +13,11 @@ from aotgrad.trace import trace_joint
 __all__ = ["cheapest", "joint_graph"]
 
 
-def joint_graph(fn: Any, *args: Any) -> Any:
-    """The joint graph aotgrad builds for `fn(*args)`, every float input differentiated."""
+def joint_graph(fn: Any, *args: Any, argnums: Any = None) -> Any:
+    """The joint graph aotgrad builds for `fn(*args)`, the arguments at `argnums`
+    differentiated (None: every float input)."""
     traced = aotgrad.compile(fn).trace(*args)
-    return trace_joint(traced.entry.fwd, traced.perturbed(), traced.entry.default_has_ct())
+    return trace_joint(traced.entry.fwd, traced.perturbed(argnums), traced.entry.default_has_ct())
 
 
 def cheapest(graph: Any) -> Split:
