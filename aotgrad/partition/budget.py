@@ -105,10 +105,10 @@ def ladder(problem: Problem, relaxed: np.ndarray) -> list[Cut]:
     """Candidate cuts: the cheapest cut, the priced cuts, the greedy cuts, and last the cut
     that saves only what can never be recomputed. `relaxed`: recompute costs with
     compute-bound equations allowed."""
-    full = problem.cheapest_cut()
-    cuts = [full]
+    cheapest = problem.cheapest_cut()
+    cuts = [cheapest]
     cuts += _priced(problem, relaxed)
-    cuts += _greedy(problem, full, relaxed)
+    cuts += _greedy(problem, cheapest, relaxed)
     unsafe = np.asarray([np.inf if k is Kind.UNSAFE else 0.0 for k in problem.kinds])
     cuts.append(problem.solve(problem.nbytes, unsafe))
     return cuts
@@ -196,11 +196,11 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
             continue
         peak = cut.activation_bytes if stacked else _step_peak(cut)
         seen[key] = Choice(cut, peak, _runtime_cost(cut, relaxed))
-    full, *rest = seen.values()
+    cheapest, *rest = seen.values()
     kept: list[Choice] = []
     floor = 0.0  # the lowest peak among candidates about as low as kept[-1]'s
     for c in sorted(rest, key=lambda c: (c.peak, c.cost, -c.saved)):
-        if c.peak >= full.peak * (1 - SAME_PEAK):
+        if c.peak >= cheapest.peak * (1 - SAME_PEAK):
             continue  # no lower than the cheapest cut's, for more work
         if kept and c.peak <= floor * (1 + SAME_PEAK):  # about the same peak: the cheaper one
             before = kept[-2].saved if len(kept) > 1 else 0
@@ -209,9 +209,9 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
         elif not kept or (c.cost < kept[-1].cost and c.saved >= kept[-1].saved):
             kept.append(c)
             floor = c.peak
-    while kept and kept[-1].saved > full.saved:
+    while kept and kept[-1].saved > cheapest.saved:
         kept.pop()
-    return kept + [full]
+    return kept + [cheapest]
 
 
 def within_budget(problem: Problem, budget: Budget, stacked: bool = False) -> dict[Var, str]:

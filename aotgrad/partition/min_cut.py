@@ -277,7 +277,7 @@ def min_cut(graph: JointGraph, budget: Budget = 1.0, stacked: bool = False) -> d
     device = graph.device
     problem = Problem.of(graph, device is not None and device.matmul_operands_cost and not stacked)
     if not isinstance(budget, Bytes) and budget >= 1.0:
-        why = "cheaper to save than to recompute" if stacked else FUSED_REASON
-        return problem.top_cut(stacked).reasons(why)
+        top = problem.top_cut(stacked)
+        return top.reasons() if stacked else top.reasons(FUSED_REASON)
     from aotgrad.partition.budget import within_budget
     return within_budget(problem, budget, stacked)

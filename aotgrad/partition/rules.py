@@ -55,10 +55,6 @@ class Kind(enum.Enum):
     COSTLY = "costly"
     UNSAFE = "unsafe"
 
-    @property
-    def recomputable_at_full_budget(self) -> bool:
-        return self not in (Kind.COSTLY, Kind.UNSAFE)
-
 
 _CHEAP = (
     P.abs_p, P.acos_p, P.acosh_p, P.add_p, P.add_jaxvals_p, P.and_p, P.asin_p, P.asinh_p, P.atan_p, P.atan2_p,
