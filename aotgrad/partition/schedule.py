@@ -8,8 +8,8 @@ recomputed value is then live at once and the backward's peak is the forward's a
 it, so layer n's forward is recomputed when the backward reaches layer n.
 
 A group is every recomputed equation whose first (transitive) backward consumer is the
-same equation C; it waits for the latest-computed backward value C reads, unless all it
-does is reshape (a view: the reshapes of a scan's stacked weights are free early, while
+same equation C; it waits for the latest-computed backward value C reads (or the smaller
+value that one is broadcast from: `_smallest_source`), unless all it does is reshape (a view: the reshapes of a scan's stacked weights are free early, while
 a tie would copy the weights). Groups come from the graph, not from annotations.
 Waiting cannot form a cycle: that value is computed before C by equations that do not
 read C's group (C is its first consumer). The group's members are contiguous in
@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import jax.extend.core.primitives as P
 from jax.extend.core import JaxprEqn, Var
+
+from aotgrad.partition.rules import Kind, kind_of
 
 __all__ = ["Group", "VIEWS", "plan", "tie"]
 
@@ -82,6 +84,8 @@ def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var]) -> tuple[Group, ...
     groups = []
     for c, group in sorted(members.items()):
         after = _latest_backward_input(eqns[c], position, backward)
+        if after is not None:
+            after = _smallest_source(after, eqns, position, backward)
         if after is None or position[after] >= min(group) or max(group) - min(group) + 1 != len(group):
             continue  # nothing to wait for (C reads only the program's cotangents), or not one run
         if all(eqns[i].primitive in VIEWS for i in group):
@@ -101,6 +105,21 @@ def _latest_backward_input(eqn: JaxprEqn, position: dict[Var, int],
     made = [v for v in eqn.invars if isinstance(v, Var) and v in backward and v in position
             and _floating(v.aval) and v.aval.size > 0]
     return max(made, key=position.__getitem__) if made else None
+
+
+def _smallest_source(v: Var, eqns: Sequence[JaxprEqn], position: dict[Var, int],
+                     backward: frozenset[Var]) -> Var:
+    """What a group waits for instead of `v`: the smaller backward value `v` is computed
+    from by elementwise equations and broadcasts (which XLA fuses into their reader), as
+    far up as each step is smaller. A barrier's operand is written to memory: waiting for
+    a cross-entropy's cotangent broadcast to the logits' shape wrote one logits-sized
+    buffer more at the step's peak (GPT-2 small on an H100: 6.65 GB instead of 5.00)."""
+    while kind_of(eqns[position[v]]) is Kind.CHEAP:
+        up = _latest_backward_input(eqns[position[v]], position, backward)
+        if up is None or up.aval.size >= v.aval.size:
+            return v
+        v = up
+    return v
 
 
 def _floating(aval: Any) -> bool:
