@@ -199,3 +199,17 @@ def test_a_group_waits_for_the_value_a_cotangent_is_broadcast_from() -> None:
     assert barriers
     waited = [re.findall(r"tensor<([^>]*)>", types)[-1] for types in barriers]  # the tie's last operand
     assert f"{b}x{v}xf32" not in waited, waited
+
+
+def test_the_backward_reads_the_waited_for_copy() -> None:
+    """Every barrier's last result (the value its group waits for) is read on: XLA drops a
+    barrier output nothing reads, and with it the wait (XLA:GPU then ran every layer's
+    recomputation at the backward's start: a GPT at batch 32 peaked at 380 MB on an H100
+    at budget 0, 150 MB once the copy is read). Lowered for a GPU; no GPU or plugin needed."""
+    with aotgrad.config.patch(activation_memory_budget=0.0):
+        step = jax.jit(jax.grad(aotgrad.compile(relu_stack)))
+        text = step.trace(_params()).lower(lowering_platforms=("cuda",)).as_text()
+    barriers = re.findall(r"(%[\w.]+):(\d+) = stablehlo.optimization_barrier", text)
+    assert len(barriers) >= L
+    for name, n in barriers:
+        assert re.search(rf"{re.escape(name)}#{int(n) - 1}\b", text), (name, n)

@@ -42,6 +42,8 @@ import jax.numpy as jnp
 import jax.extend.core.primitives as P
 from jax.extend.core import JaxprEqn, Var
 
+from aotgrad._jax_internals import bind_eqn
+from aotgrad.interpret import read
 from aotgrad.partition.rules import Kind, kind_of
 
 __all__ = ["Group", "VIEWS", "plan", "tie"]
@@ -60,6 +62,9 @@ class Group:
     inputs: tuple[Var, ...]
     saved: tuple[bool, ...]
     after: Var
+    # Backward equations from `after` to the value C reads, which `tie` evaluates again on
+    # the waited-for copy of `after` (a broadcast of it, say).
+    chain: tuple[JaxprEqn, ...] = ()
 
 
 def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var]) -> tuple[Group, ...]:
@@ -84,8 +89,9 @@ def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var]) -> tuple[Group, ...
     groups = []
     for c, group in sorted(members.items()):
         after = _latest_backward_input(eqns[c], position, backward)
+        chain: list[JaxprEqn] = []
         if after is not None:
-            after = _smallest_source(after, eqns, position, backward)
+            after, chain = _smallest_source(after, eqns, position, backward)
         if after is None or position[after] >= min(group) or max(group) - min(group) + 1 != len(group):
             continue  # nothing to wait for (C reads only the program's cotangents), or not one run
         if all(eqns[i].primitive in VIEWS for i in group):
@@ -94,7 +100,7 @@ def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var]) -> tuple[Group, ...
         inputs = tuple(dict.fromkeys(v for i in group for v in eqns[i].invars
                                      if isinstance(v, Var) and v not in inside))
         saved = tuple(v not in position for v in inputs)  # not computed by the backward
-        groups.append(Group(min(group), max(group) + 1, inputs, saved, after))
+        groups.append(Group(min(group), max(group) + 1, inputs, saved, after, tuple(chain)))
     return tuple(groups)
 
 
@@ -108,18 +114,21 @@ def _latest_backward_input(eqn: JaxprEqn, position: dict[Var, int],
 
 
 def _smallest_source(v: Var, eqns: Sequence[JaxprEqn], position: dict[Var, int],
-                     backward: frozenset[Var]) -> Var:
+                     backward: frozenset[Var]) -> tuple[Var, list[JaxprEqn]]:
     """What a group waits for instead of `v`: the smaller backward value `v` is computed
     from by elementwise equations and broadcasts (which XLA fuses into their reader), as
     far up as each step is smaller. A barrier's operand is written to memory: waiting for
     a cross-entropy's cotangent broadcast to the logits' shape wrote one logits-sized
-    buffer more at the step's peak (GPT-2 small on an H100: 6.65 GB instead of 5.00)."""
+    buffer more at the step's peak (GPT-2 small on an H100: 6.65 GB instead of 5.00).
+    Returns it and the equations from it to `v`, in order."""
+    chain: list[JaxprEqn] = []
     while kind_of(eqns[position[v]]) is Kind.CHEAP:
         up = _latest_backward_input(eqns[position[v]], position, backward)
         if up is None or up.aval.size >= v.aval.size:
-            return v
+            break
+        chain.insert(0, eqns[position[v]])
         v = up
-    return v
+    return v, chain
 
 
 def _floating(aval: Any) -> bool:
@@ -142,26 +151,34 @@ def tie(groups: Sequence[Group], by_data: bool) -> Callable[[int, dict], None]:
         values, after = [env[v] for v in group.inputs], env[group.after]
         barrier = functools.partial(_tie_by_barrier, saved=group.saved)
         if by_data:  # the data tie where the program is lowered for a CPU, else the barrier
-            tied = jax.lax.platform_dependent(values, after, cpu=_tie_by_data, default=barrier)
+            tied, after = jax.lax.platform_dependent(values, after, cpu=_tie_by_data, default=barrier)
         else:
-            tied = barrier(values, after)
+            tied, after = barrier(values, after)
         env.update(zip(group.inputs, tied, strict=True))
+        # The backward reads on from the waited-for copy: a barrier output nothing reads is
+        # dropped by XLA, and with it the wait (XLA:GPU then ran every layer's
+        # recomputation at the backward's start).
+        env[group.after] = after
+        for eqn in group.chain:
+            outs = bind_eqn(eqn, [read(env, v) for v in eqn.invars])
+            env.update((v, x) for v, x in zip(eqn.outvars, outs, strict=True) if isinstance(v, Var))
     return before
 
 
-def _tie_by_barrier(values: list, after: Any, saved: Sequence[bool]) -> list:
+def _tie_by_barrier(values: list, after: Any, saved: Sequence[bool]) -> tuple[list, Any]:
     """Only saved values pass through the barrier: a value an earlier group recomputed
     waits already, and a barrier on it would make XLA write it to memory between two
     fusions (on a GPU, a GPT's step moved 1.28x the fused step's bytes, 1.13x without)."""
     if not any(saved):
-        return list(values)
-    held = iter(jax.lax.optimization_barrier([*(x for x, s in zip(values, saved, strict=True) if s), after]))
-    return [next(held) if s else x for x, s in zip(values, saved, strict=True)]
+        return list(values), after
+    *held, after = jax.lax.optimization_barrier([*(x for x, s in zip(values, saved, strict=True) if s), after])
+    held = iter(held)
+    return [next(held) if s else x for x, s in zip(values, saved, strict=True)], after
 
 
-def _tie_by_data(values: list, after: Any) -> list:
+def _tie_by_data(values: list, after: Any) -> tuple[list, Any]:
     zero = _zero_from(after)
-    return [x - zero.astype(x.dtype) if _floating(x) else x for x in values]
+    return [x - zero.astype(x.dtype) if _floating(x) else x for x in values], after
 
 
 def tie_by_data() -> bool:
