@@ -22,7 +22,9 @@ one for its platform (the compiler never sees a conditional):
 - GPU and TPU keep `optimization_barrier` through scheduling (as `jax.checkpoint` relies
   on): the saved values the group reads pass through one barrier with the cotangent
   (values an earlier group recomputed do not: they wait already, and a barrier would make
-  XLA write them to memory).
+  XLA write them to memory). The backward reads on from the barrier's copy of the
+  cotangent, as `jax.checkpoint`'s backward does: XLA drops a barrier output nothing
+  reads, and the wait with it.
 - XLA:CPU removes barriers before it schedules, so there (with one device) the group's
   floating-point inputs become `x - z`, with `z` a zero computed from two elements of the
   cotangent by integer operations XLA cannot fold. `x - 0.0` is `x` exactly (signed zeros
