@@ -9,8 +9,9 @@ it, so layer n's forward is recomputed when the backward reaches layer n.
 
 A group is every recomputed equation whose first (transitive) backward consumer is the
 same equation C; it waits for the latest-computed backward value C reads (or the smaller
-value that one is broadcast from: `_smallest_source`), unless all it does is reshape (a view: the reshapes of a scan's stacked weights are free early, while
-a tie would copy the weights). Groups come from the graph, not from annotations.
+value that one is broadcast from: `_smallest_source`), unless all it does is reshape (a
+view: the reshapes of a scan's stacked weights are free early, while a tie would copy the
+weights). Groups come from the graph, not from annotations.
 Waiting cannot form a cycle: that value is computed before C by equations that do not
 read C's group (C is its first consumer). The group's members are contiguous in
 `recompute_late`'s order, ending just before C.
