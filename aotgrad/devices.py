@@ -15,7 +15,14 @@ What differs between devices today:
   a saved one was written in the forward anyway (it was a forward matmul's operand too).
   On XLA:CPU charging them did not make a step faster (an Equinox ViT at the cheapest
   cut: 1.14x plain jit's step time with the charge, 1.08-1.11x without, at a higher
-  peak), so there the lower peak is kept.
+  peak), so there the lower peak is kept;
+- what recomputing a reduction costs (`partition/costs.py`, `row_reductions_fuse`):
+  XLA:GPU runs a reduction over the last axis in one kernel with the elementwise work
+  around it (a softmax, a layer norm, a cross-entropy's log-sum-exp), so recomputing one
+  re-reads nothing its neighbours do not read anyway. GPT-2 small on an H100 at budget
+  0: 155.7 GB moved instead of 165.3, the same peak (docs/benchmarks.md). XLA:TPU moved
+  more bytes with reductions priced so (a GPT at budget 0: 3.06 GB against 2.93): there
+  a recomputed reduction still re-reads its input.
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ class DeviceProfile:
     memory_bandwidth: float | None = None  # bytes/s
     memory_bytes: int | None = None  # per device
     matmul_operands_cost: bool = False  # see the module docstring
+    row_reductions_fuse: bool = False  # see the module docstring
 
     def flops(self, dtype: str) -> float | None:
         return dict(self.matmul_flops).get(dtype)
@@ -54,16 +62,18 @@ PROFILES: tuple[DeviceProfile, ...] = (
     # NVIDIA H100 SXM5 80GB datasheet: HBM3 3.35 TB/s; dense TF32 494.7, BF16/FP16 989.4
     # TFLOP/s (float32 matmuls run as TF32 at JAX's default precision on GPUs).
     DeviceProfile("h100", "gpu", ("H100",), (("float32", 494.7 * _T), ("bfloat16", 989.4 * _T),
-                                             ("float16", 989.4 * _T)), 3.35e12, 80 * 2**30, True),
+                                             ("float16", 989.4 * _T)), 3.35e12, 80 * 2**30, True,
+                  row_reductions_fuse=True),
     # NVIDIA A100 SXM4 80GB datasheet: HBM2e 2,039 GB/s; dense TF32 156, BF16/FP16 312 TFLOP/s.
     DeviceProfile("a100", "gpu", ("A100",), (("float32", 156 * _T), ("bfloat16", 312 * _T),
-                                             ("float16", 312 * _T)), 2.039e12, 80 * 2**30, True),
+                                             ("float16", 312 * _T)), 2.039e12, 80 * 2**30, True,
+                  row_reductions_fuse=True),
     # Google Cloud TPU v5e documentation: 197 TFLOP/s bf16, HBM 16 GiB at 819 GB/s
     # (float32 matmuls run as one bf16 pass at JAX's default precision on TPUs).
     DeviceProfile("tpu-v5e", "tpu", ("v5 lite", "v5e"), (("float32", 197 * _T), ("bfloat16", 197 * _T)),
                   819e9, 16 * 2**30, True),
     # Any other GPU or TPU: its numbers are not known, its compiler's habits are.
-    DeviceProfile("gpu", "gpu", (), matmul_operands_cost=True),
+    DeviceProfile("gpu", "gpu", (), matmul_operands_cost=True, row_reductions_fuse=True),
     DeviceProfile("tpu", "tpu", (), matmul_operands_cost=True),
 )
 

@@ -5,6 +5,7 @@ and rewrite the backward under `config.backward_pass_autocast`. The passes below
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -65,7 +66,7 @@ def _other_scan_levels(unreachable: BudgetUnreachable, fwd: ForwardTrace, pertur
     highest level, may still fit; else the error names the smallest peak of all three."""
     smallest = unreachable.smallest
     for level in (0.0, 1.0):
-        rules = scan_rules(strategy, level, trace_body_joint)
+        rules = scan_rules(strategy, level, functools.partial(trace_body_joint, device=device))
         if rules is None:
             break
         graph = trace_joint(fwd, perturbed, has_ct, rules, device)
@@ -94,7 +95,8 @@ def build(fwd: ForwardTrace, perturbed: tuple[bool, ...], has_ct: tuple[bool, ..
     t0 = time.perf_counter()
     strategy, budget = options.partitioner, options.activation_memory_budget
     device = profile_of(fwd.in_avals)  # the arguments' devices: a compile-only target's too
-    graph = trace_joint(fwd, perturbed, has_ct, scan_rules(strategy, budget, trace_body_joint), device)
+    body = functools.partial(trace_body_joint, device=device)  # scan bodies priced for the step's device
+    graph = trace_joint(fwd, perturbed, has_ct, scan_rules(strategy, budget, body), device)
     t1 = time.perf_counter()
     try:
         sp = partition(graph, strategy, budget)

@@ -116,12 +116,13 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
     return JointGraph(inlined, n_inputs=len(in_avals), n_outs=len(fwd.out_avals), device=device)
 
 
-def trace_body_joint(closed: ClosedJaxpr, avals: Sequence[Any]) -> JointGraph:
+def trace_body_joint(closed: ClosedJaxpr, avals: Sequence[Any], device: DeviceProfile | None = None) -> JointGraph:
     """The joint graph of `closed` (no hoisted constants; inputs of `avals`: a scan body,
     `partition.scan`), every inexact input differentiated and every inexact output given
-    a cotangent."""
+    a cotangent; `device`: the step's, which the body is priced for."""
     fwd = ForwardTrace(closed, (), tuple(avals), None)
-    return trace_joint(fwd, tuple(map(differentiable, avals)), tuple(map(differentiable, closed.out_avals)))
+    return trace_joint(fwd, tuple(map(differentiable, avals)), tuple(map(differentiable, closed.out_avals)),
+                       device=device)
 
 
 def _zero_cotangent(aval: Any) -> Any:

@@ -32,6 +32,31 @@ def test_the_table_says_where_its_numbers_come_from():
         devices.profile_named("h200")
 
 
+def _reductions():
+    """The two reductions of `x - max(x, axis)` on a (64, 32) float32 `x`: over the last
+    axis and over the first."""
+    x = jnp.ones((64, 32))
+    eqns = [jax.make_jaxpr(lambda x: x - jnp.max(x, axis=a, keepdims=True))(x).jaxpr.eqns for a in (1, 0)]
+    return [next(e for e in es if e.primitive.name == "reduce_max") for es in eqns]
+
+
+def test_row_reductions_are_priced_as_the_device_runs_them():
+    """XLA:GPU runs a reduction over the last axis in one kernel with the elementwise work
+    around it: recomputing one there costs compute (1/16 per byte read, as a fusible op),
+    not a re-read of its 64 x 32 x 4 = 8192-byte input. A reduction over another axis, and
+    every reduction on a CPU or a TPU, costs the re-read."""
+    from aotgrad.partition import costs
+    from aotgrad.partition.rules import Kind
+    last, first = _reductions()
+    for name, want_last in [("h100", 8192 / 16), ("a100", 8192 / 16), ("gpu", 8192 / 16),
+                            ("cpu", 8192), ("tpu-v5e", 8192)]:
+        p = devices.profile_named(name)
+        assert p.row_reductions_fuse == (p.platform == "gpu")
+        assert costs.recompute_cost(last, Kind.REDUCE, p) == want_last, name
+        assert costs.recompute_cost(first, Kind.REDUCE, p) == 8192, name
+    assert costs.recompute_cost(last, Kind.REDUCE) == 8192  # device not known
+
+
 def test_arguments_on_the_host_are_built_for_the_host():
     x = jnp.ones(3)
     assert devices.profile_of([1.0, x]).name == jax.devices()[0].platform

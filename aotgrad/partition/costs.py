@@ -7,6 +7,9 @@
   per output byte for fusible ops, about one output write for data movement, a re-read
   of the inputs for reductions, hashing for random bits, and FLOPs for compute-bound
   work (only when a memory budget allows it).
+- Where the device runs a reduction over the last axis in one kernel with its
+  elementwise neighbours (`DeviceProfile.row_reductions_fuse`: XLA:GPU), recomputing one
+  costs compute like a fusible op, not a re-read of its input.
 Inputs are free: the caller holds them anyway. A derived copy of an input (a cast or
 transpose of a weight) is a real cost and is normally recomputed instead.
 """
@@ -20,6 +23,7 @@ import numpy as np
 from jax.extend.core import Primitive
 
 from aotgrad._jax_internals import primitives as I
+from aotgrad.devices import DeviceProfile
 from aotgrad.partition.rules import Kind, sub_jaxprs
 
 __all__ = ["FLOPS_PER_BYTE", "flops", "nbytes", "recompute_cost", "save_cost"]
@@ -60,8 +64,9 @@ def save_cost(aval: Any, written_anyway: bool) -> float:
     return float(b if written_anyway else 2 * b)
 
 
-def recompute_cost(eqn: Any, kind: Kind) -> float:
-    """Byte-equivalent cost of running `eqn` again in the backward; inf if it must not be."""
+def recompute_cost(eqn: Any, kind: Kind, device: DeviceProfile | None = None) -> float:
+    """Byte-equivalent cost of running `eqn` again in the backward on `device` (None: not
+    known); inf if it must not be."""
     out = sum(nbytes(v.aval) for v in eqn.outvars)
     if kind is Kind.CHEAP:
         per_byte = TRANSCENDENTAL_PER_BYTE if eqn.primitive in TRANSCENDENTAL else CHEAP_PER_BYTE
@@ -69,12 +74,21 @@ def recompute_cost(eqn: Any, kind: Kind) -> float:
     if kind is Kind.MOVE:
         return MOVE_PER_BYTE * out
     if kind is Kind.REDUCE:
-        return float(sum(nbytes(v.aval) for v in eqn.invars))
+        read = float(sum(nbytes(v.aval) for v in eqn.invars))
+        fused = device is not None and device.row_reductions_fuse and _over_last_axis(eqn)
+        return CHEAP_PER_BYTE * read if fused else read
     if kind is Kind.RANDOM:
         return RANDOM_PER_BYTE * out
     if kind is Kind.COSTLY:
         return flops(eqn) / FLOPS_PER_BYTE + out
     return math.inf
+
+
+def _over_last_axis(eqn: Any) -> bool:
+    """A reduction over its operand's last axis only (a softmax's, a layer norm's)."""
+    axes = eqn.params.get("axes")
+    rank = len(getattr(eqn.invars[0].aval, "shape", ()))
+    return axes is not None and rank > 0 and tuple(axes) == (rank - 1,)
 
 
 def flops(eqn: Any) -> float:

@@ -50,7 +50,8 @@ class Problem:
     @classmethod
     def of(cls, graph: JointGraph, operands_cost: bool = False) -> "Problem":
         """`operands_cost`: recomputing a value a backward matmul reads costs its write and
-        read there (the device's `matmul_operands_cost`)."""
+        read there (the device's `matmul_operands_cost`). Recomputation is priced for the
+        graph's device (`costs.recompute_cost`)."""
         dependent = graph.input_dependent
         eqns, kinds, values, producer = [], [], [], []
         position: dict[Var, int] = {}
@@ -120,7 +121,7 @@ class Problem:
             if kind is Kind.COSTLY and not allow_costly:
                 out.append(np.inf)
             else:
-                out.append(costs.recompute_cost(self.graph.eqns[i], kind))
+                out.append(costs.recompute_cost(self.graph.eqns[i], kind, self.graph.device))
         out = np.asarray(out, np.float64)
         if self.operands_cost:  # its producer's recomputation also writes it and reads it back
             np.add.at(out, self.producer[self.operands], 2 * self.nbytes[self.operands])
