@@ -6,8 +6,13 @@ Below 1 the budget spans the step's peak memory, as estimated before compiling
 (`peak.py`): P1 is the estimated peak of the cut that moves the fewest bytes by the cost
 model (`Problem.cheapest_cut`), P0 the lowest among the candidates, and a budget b < 1
 takes the cheapest candidate whose estimated peak is at most P0 + b x (P1 - P0). So a
-budget just below 1 is the cheapest cut, which recomputes cheap work and waits for its
-cotangent (`schedule.py`) for a lower peak, at a cost in bytes the model does not see.
+budget just below 1 is the cheapest cut where it is the only candidate (P0 = P1: small
+graphs), else the candidate just below it; the cheapest cut itself is then reached by a
+byte budget only. It recomputes cheap work and waits for its cotangent (`schedule.py`)
+for a lower peak, at a cost in bytes the model does not see. (Spanning up to budget 1's
+estimate instead would reach it, but that estimate counts every value the backward reads,
+far more than XLA keeps in the fused step: on GPT-2 small compiled for an H100 the
+cheapest cut peaks above the fused step, so the peak would rise as the budget falls.)
 
 The candidates:
 - A knapsack over individual values would ignore that recomputing one value changes what
