@@ -58,6 +58,11 @@ def autocast_backward(split: Split, fwd: ForwardTrace, mode: BackwardAutocast) -
     return dataclasses.replace(split, backward=backward), CastCounts(fwd.casts, casts)
 
 
+def _scan_rules(strategy: str, budget: Any, device: DeviceProfile) -> dict | None:
+    """The rules that cut scans at `budget`, their bodies priced for the step's device."""
+    return scan_rules(strategy, budget, functools.partial(trace_body_joint, device=device))
+
+
 def _other_scan_levels(unreachable: BudgetUnreachable, fwd: ForwardTrace, perturbed: tuple[bool, ...],
                        has_ct: tuple[bool, ...], strategy: str, budget: Any,
                        device: DeviceProfile) -> tuple[JointGraph, Split]:
@@ -66,7 +71,7 @@ def _other_scan_levels(unreachable: BudgetUnreachable, fwd: ForwardTrace, pertur
     highest level, may still fit; else the error names the smallest peak of all three."""
     smallest = unreachable.smallest
     for level in (0.0, 1.0):
-        rules = scan_rules(strategy, level, functools.partial(trace_body_joint, device=device))
+        rules = _scan_rules(strategy, level, device)
         if rules is None:
             break
         graph = trace_joint(fwd, perturbed, has_ct, rules, device)
@@ -95,8 +100,7 @@ def build(fwd: ForwardTrace, perturbed: tuple[bool, ...], has_ct: tuple[bool, ..
     t0 = time.perf_counter()
     strategy, budget = options.partitioner, options.activation_memory_budget
     device = profile_of(fwd.in_avals)  # the arguments' devices: a compile-only target's too
-    body = functools.partial(trace_body_joint, device=device)  # scan bodies priced for the step's device
-    graph = trace_joint(fwd, perturbed, has_ct, scan_rules(strategy, budget, body), device)
+    graph = trace_joint(fwd, perturbed, has_ct, _scan_rules(strategy, budget, device), device)
     t1 = time.perf_counter()
     try:
         sp = partition(graph, strategy, budget)

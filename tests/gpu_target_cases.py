@@ -203,9 +203,9 @@ def test_row_reductions_priced_as_fused_move_fewer_bytes_on_the_h100(monkeypatch
                                  log=lambda _: None)[0]
         assert row.error is None, row.error
         return row
-    fused = budget_zero()
+    fusing = budget_zero()
     monkeypatch.setattr(devices, "PROFILES", tuple(dataclasses.replace(p, row_reductions_fuse=False)
                                                    for p in devices.PROFILES))
     reread = budget_zero()
-    assert fused.bytes_accessed < 0.99 * reread.bytes_accessed, (fused, reread)
-    assert fused.peak <= 1.02 * reread.peak, (fused, reread)
+    assert fusing.bytes_accessed < 0.99 * reread.bytes_accessed, (fusing, reread)
+    assert fusing.peak <= 1.02 * reread.peak, (fusing, reread)
