@@ -32,7 +32,7 @@ from benchmarks.strategies import (AOTGRAD_PREFIX, CHECKPOINT_PREFIX, CHECKPOINT
                                    checkpointed, xla_peak)
 from benchmarks.workloads import Workload, build
 
-__all__ = ["TARGETS", "TargetRow", "format_rows", "plot", "run_target", "target_strategies"]
+__all__ = ["TARGETS", "TargetRow", "format_rows", "plot", "run_target", "step_and_context", "target_strategies"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -124,7 +124,7 @@ def _per_device_bytes(tree: Any) -> int:
     return total
 
 
-def _step(strategy: str, w: Workload) -> tuple[Callable[..., Any], Callable[[], Any]]:
+def step_and_context(strategy: str, w: Workload) -> tuple[Callable[..., Any], Callable[[], Any]]:
     """(the step to jit, a context to trace it under)."""
     if strategy == "fused":
         return jax.value_and_grad(w.loss_fn), contextlib.nullcontext
@@ -137,7 +137,7 @@ def _step(strategy: str, w: Workload) -> tuple[Callable[..., Any], Callable[[], 
 def _measure(strategy: str, w: Workload, params: Any, batch: Any) -> TargetRow:
     t0 = time.perf_counter()
     try:
-        fn, context = _step(strategy, w)
+        fn, context = step_and_context(strategy, w)
         with context():
             compiled = jax.jit(fn).lower(params, batch).compile()
     except Exception as e:  # a strategy that cannot be built for the target is a row that says why

@@ -180,3 +180,33 @@ def test_plot_without_matplotlib_is_reported_before_the_run(tiny_suite: Path, tm
     lines = proc.stderr.splitlines()
     assert lines[0].startswith("note: --plot needs matplotlib"), lines[:3]
     assert not (tmp_path / "plot.png").exists()
+
+
+def test_on_device_run_reports_each_strategy_and_continues_past_failures(tmp_path: Path) -> None:
+    """`benchmarks.on_device` (the real step on this machine's accelerator), here on the host:
+    each strategy in its own process, then interleaved timing; a strategy that cannot be
+    built is a row that says why, and the others still run."""
+    suite = tmp_path / "cli.toml"
+    suite.write_text(CLI_SUITE)
+    out = tmp_path / "on_device.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.on_device", f"--suite={suite}", f"--out={out}",
+                           "--workloads=tiny_mlp", "--strategies=fused,aotgrad:min_cut@0,aotgrad:not_a_partitioner",
+                           "--steps=1", "--rounds=2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["info"]["profile"] == "cpu" and data["info"]["jax"]
+    rows = {r["strategy"]: r for r in data["rows"]}
+    assert list(rows) == ["fused", "aotgrad:min_cut@0", "aotgrad:not_a_partitioner"]
+    from benchmarks.workloads import build
+    w = build("tiny_mlp", "mlp", {"batch": 4, "width": 8, "depth": 2})
+    assert "not_a_partitioner" in rows["aotgrad:not_a_partitioner"]["error"]
+    for name in ("fused", "aotgrad:min_cut@0"):
+        r = rows[name]
+        assert r["error"] is None
+        assert r["own_median_s"] > 0 and r["interleaved_median_s"] > 0
+        assert r["inputs"] == w.param_bytes + w.batch_bytes
+        assert r["xla_peak"] > r["inputs"] and r["flops"] > 0
+        assert r["allocator_peak"] is None or r["allocator_peak"] > 0
+    assert "aotgrad:min_cut@0" in proc.stdout and "failed: " in proc.stdout
