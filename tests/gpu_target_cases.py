@@ -16,6 +16,8 @@ plugin (`pip install -e '.[gpu-target]'`); without it every case is skipped.
   peaks below `nothing_saveable`, and below budget 0.5.
 - A reduction over the last axis is priced as XLA:GPU runs it (in the kernel of its
   neighbours): on that GPT budget 0 moves fewer bytes than when it is priced as a re-read.
+- Budget 0 on GPT-2 small checkpoints each block once (every second layer point), as
+  `nothing_saveable` does, and peaks within 1.02x of it.
 """
 from __future__ import annotations
 
@@ -209,3 +211,24 @@ def test_row_reductions_priced_as_fused_move_fewer_bytes_on_the_h100(monkeypatch
     reread = budget_zero()
     assert fusing.bytes_accessed < 0.99 * reread.bytes_accessed, (fusing, reread)
     assert fusing.peak <= 1.02 * reread.peak, (fusing, reread)
+
+
+def test_budget_zero_checkpoints_each_layer_once_on_gpt2_small(monkeypatch):
+    """GPT-2 small (12 layers, D=768, batch 8 x 1024 tokens), one H100: budget 0 peaks
+    within 1.02x of `jax.checkpoint(nothing_saveable)` on every layer. Its residual stream
+    has two layer points a block (after attention, after the MLP); with both saved (the
+    candidates before `COARSER_POINTS`) budget 0 peaked at 1.08x the policy's; with every
+    second point saved, as the policy saves each block's input, at 1.00x."""
+    from aotgrad.partition import budget
+    from benchmarks import targets
+    sizes = dict(batch=8, seq=1024, d_model=768, heads=12, layers=12, vocab=50304)
+
+    def run(strategy):
+        row = targets.run_target("h100", [("gpt", "gpt", sizes)], strategies=[strategy], log=lambda _: None)[0]
+        assert row.error is None, row.error
+        return row.activation_peak
+    policy, coarse = run("checkpoint:nothing_saveable"), run("aotgrad:min_cut@0")
+    monkeypatch.setattr(budget, "COARSER_POINTS", ())
+    every_point = run("aotgrad:min_cut@0")
+    assert coarse <= 1.02 * policy, (coarse, policy)
+    assert coarse < 0.97 * every_point, (coarse, every_point)

@@ -6,9 +6,10 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import aotgrad
-from aotgrad.partition.boundaries import boundaries
+from aotgrad.partition.boundaries import boundaries, layer_points
 from aotgrad.partition.peak import _program_peak
 from cuts import joint_graph
 
@@ -44,6 +45,37 @@ def test_residual_stream_is_the_boundary() -> None:
     assert len(adds) == L
     assert set(adds[:-1]) <= set(found)  # x_1 .. x_{L-1}; x_L feeds only the loss
     assert all(v.aval.size <= B * D for v in found)
+
+
+def two_half_layers(ws: list, x: jax.Array) -> jax.Array:
+    """Each layer: two residual halves (as attention and MLP), each adding a bias after its
+    matmul: x + h @ w + b is two adds, one cheap step apart."""
+    for w1, b1, w2, b2 in ws:
+        x = x + jnp.tanh(x) @ w1 + b1
+        x = x + jnp.sin(x) @ w2 + b2
+    return jnp.sum(x * x)
+
+
+def test_layer_points_group_boundaries_no_matmul_separates() -> None:
+    """Both adds of a half (before and after its bias) are one point: no matmul lies
+    between them. Consecutive halves are separate points: a matmul lies between. So L
+    layers give two points of the stream per layer, each of two values, in program order."""
+    ks = jax.random.split(jax.random.key(1), 4 * L + 1)
+    ws = [tuple(jax.random.normal(ks[4 * i + j], (D, D) if j % 2 == 0 else (D,)) for j in range(4))
+          for i in range(L)]
+    x = jax.random.normal(ks[-1], (B, D))
+    problem = _problem(two_half_layers, ws, x)
+    found = boundaries(problem)
+    points = layer_points(problem, found)
+    graph = problem.graph
+    stream = [k for k in found if problem.values[k].aval.shape == (B, D)
+              and graph.eqns[graph.producer[problem.values[k]]].primitive is jax.lax.add_p]
+    assert len(stream) == 2 * 2 * L  # x + h @ w and + b, for each half
+    pairs = [p for p in points if set(p) & set(stream)]  # (a point may hold more: the first
+    assert len(pairs) == 2 * L                           # half's matmul output, the loss)
+    for i, point in enumerate(pairs):
+        assert set(stream[2 * i:2 * i + 2]) <= set(point.tolist())
+    assert np.array_equal(np.concatenate(points), found)  # every boundary once, in order
 
 
 def test_program_peak_counts_what_xla_writes_and_frees() -> None:

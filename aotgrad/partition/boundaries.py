@@ -12,6 +12,14 @@ child that post-dominates the most values: the model's spine), and on it the val
 post-dominate some other value, no wider than the median of those (the loss's logits or
 a layer's hidden activations are not boundaries; the residual stream is). Which of them
 are worth saving is left to the peak estimate: they are offered together, for free.
+
+A layer has several boundaries: a transformer block's residual stream after attention and
+after the MLP, and beside each a value one cheap step from it (before and after a bias
+add). `layer_points` groups the boundaries that no compute-bound equation separates: one
+group is one place where the backward could restart. Saving every point lets the backward
+recompute half a layer at a time; saving every second or third point saves fewer bytes and
+recomputes more at once (as `jax.checkpoint` on each layer does), which the peak estimate
+weighs (`budget.py`).
 """
 from __future__ import annotations
 
@@ -20,10 +28,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 from jax.extend.core import Var
 
+from aotgrad.partition.rules import Kind
+
 if TYPE_CHECKING:  # min_cut imports budget, which imports this module
     from aotgrad.partition.min_cut import Problem
 
-__all__ = ["boundaries", "post_dominators"]
+__all__ = ["boundaries", "layer_points", "post_dominators"]
 
 
 def post_dominators(problem: Problem) -> list[int | None]:
@@ -82,3 +92,19 @@ def boundaries(problem: Problem) -> np.ndarray:
     wide = nbytes[nbytes > 0]
     limit = float(np.median(wide)) if len(wide) else 0.0
     return np.asarray(sorted(k for k, b in zip(path, nbytes, strict=True) if 0 < b <= limit), np.int64)
+
+
+def layer_points(problem: Problem, found: np.ndarray) -> list[np.ndarray]:
+    """The boundaries `found` (sorted positions), grouped: a new group starts where a
+    compute-bound equation (a matmul, a convolution) lies between one boundary and the next."""
+    costly = np.asarray([k in (Kind.COSTLY, Kind.UNSAFE) for k in problem.kinds], np.int64)
+    before = np.concatenate([[0], np.cumsum(costly)])  # compute-bound equations before each position
+    groups: list[list[int]] = []
+    last = None
+    for k in found:
+        e = int(problem.producer[k])
+        if last is None or before[e + 1] > before[last + 1]:
+            groups.append([])
+        groups[-1].append(int(k))
+        last = e
+    return [np.asarray(g, np.int64) for g in groups]
