@@ -17,9 +17,9 @@ A layer has several boundaries: a transformer block's residual stream after atte
 after the MLP, and beside each a value one cheap step from it (before and after a bias
 add). `layer_points` groups the boundaries that no compute-bound equation separates: one
 group is one place where the backward could restart. Saving every point lets the backward
-recompute half a layer at a time; saving every second or third point saves fewer bytes and
-recomputes more at once (as `jax.checkpoint` on each layer does), which the peak estimate
-weighs (`budget.py`).
+recompute half a layer at a time; saving every second point saves half the bytes and
+recomputes a whole layer at once (as `jax.checkpoint` on each layer does), which the peak
+estimate weighs (`budget.py`).
 """
 from __future__ import annotations
 
@@ -96,7 +96,8 @@ def boundaries(problem: Problem) -> np.ndarray:
 
 def layer_points(problem: Problem, found: np.ndarray) -> list[np.ndarray]:
     """The boundaries `found` (sorted positions), grouped: a new group starts where a
-    compute-bound equation (a matmul, a convolution) lies between one boundary and the next."""
+    compute-bound or never-recomputed equation (a matmul, a convolution, a collective)
+    lies between one boundary and the next, or produces the next."""
     costly = np.asarray([k in (Kind.COSTLY, Kind.UNSAFE) for k in problem.kinds], np.int64)
     before = np.concatenate([[0], np.cumsum(costly)])  # compute-bound equations before each position
     groups: list[list[int]] = []
