@@ -20,6 +20,7 @@ Progress goes to stderr, the table to stdout, everything to the JSON file (--out
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -33,7 +34,7 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("suite", "config/gpu.toml", "Suite file (TOML) naming the workloads and their sizes.")
-flags.DEFINE_list("workloads", ["gpt"], "Workloads of the suite to run.")
+flags.DEFINE_list("workloads", ["gpt"], "Workloads of the suite to run (globs allowed).")
 flags.DEFINE_list("strategies", None, "Strategies (default: those of the compile-only target tables).")
 flags.DEFINE_integer("steps", 10, "Steps each strategy's own process runs (after two warm-up steps).")
 flags.DEFINE_integer("rounds", 10, "Interleaved timing rounds (0: report only each process's own median).")
@@ -66,11 +67,8 @@ def _block(x: Any) -> Any:
 
 
 def _compiled_step(strategy: str, w: Any) -> Any:
-    import jax
-    from benchmarks.targets import step_and_context
-    fn, context = step_and_context(strategy, w)
-    with context():
-        return jax.jit(fn).lower(w.params, w.batch).compile()
+    from benchmarks.targets import compile_step
+    return compile_step(strategy, w, w.params, w.batch)
 
 
 def _child(spec: dict) -> dict:
@@ -78,6 +76,7 @@ def _child(spec: dict) -> dict:
     import jax
     from aotgrad._jax_internals import hlo_cost
     from aotgrad.devices import profile_of
+    from benchmarks.measure import time_steps
     from benchmarks.strategies import xla_peak
     from benchmarks.workloads import build
     device = jax.devices()[0]
@@ -87,15 +86,9 @@ def _child(spec: dict) -> dict:
     t0 = time.perf_counter()
     compiled = _compiled_step(spec["strategy"], w)
     compile_s = time.perf_counter() - t0
-    for _ in range(2):
-        out = _block(compiled(w.params, w.batch))
-        del out  # so that no step's outputs are alive while the next one runs
-    times = []
-    for _ in range(spec["steps"]):
-        t = time.perf_counter()
-        out = _block(compiled(w.params, w.batch))
-        times.append(time.perf_counter() - t)
-        del out
+    step = lambda: compiled(w.params, w.batch)  # noqa: E731
+    time_steps(step, _block, 2)  # warm-up; no step's outputs are alive while the next one runs
+    times = [time_steps(step, _block, 1) for _ in range(spec["steps"])]
     after = device.memory_stats() or {}
     m = compiled.memory_analysis()
     cost = hlo_cost(compiled)
@@ -122,7 +115,7 @@ def _run_child(spec: dict, env: dict) -> dict:
 
 
 def _interleaved(workload: Any, strategies: Sequence[str], rounds: int) -> dict[str, float]:
-    from benchmarks.measure import interleaved
+    from benchmarks.measure import interleaved, time_steps
     steps = {}
     for s in strategies:
         try:
@@ -133,14 +126,7 @@ def _interleaved(workload: Any, strategies: Sequence[str], rounds: int) -> dict[
         step = (lambda c: lambda: c(workload.params, workload.batch))(compiled)
         _block(step())
         steps[s] = step
-
-    def sampler(step: Any) -> Any:
-        def sample() -> float:
-            t = time.perf_counter()
-            _block(step())
-            return time.perf_counter() - t
-        return sample
-    samples = interleaved({s: sampler(f) for s, f in steps.items()}, rounds)
+    samples = interleaved({s: functools.partial(time_steps, f, _block, 1) for s, f in steps.items()}, rounds)
     return {s: statistics.median(xs) for s, xs in samples.items()}
 
 
@@ -171,23 +157,24 @@ def format_rows(rows: Sequence[DeviceRow], header: str) -> str:
 
 def main(argv: Sequence[str]) -> None:
     del argv
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # processes share the device
-    if FLAGS.child:
+    if FLAGS.child:  # the parent's environment: preallocation off, its compilation cache
         print(json.dumps(_child(json.loads(FLAGS.child))), flush=True)
         return
     from benchmarks import suite as suite_mod
     from benchmarks.targets import target_strategies
     from benchmarks.workloads import build
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or tempfile.mkdtemp(prefix="aotgrad_xla_cache_")
+    # Preallocation off: the processes share the device.
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     os.environ.update(env)
     suite = suite_mod.load(FLAGS.suite)
+    specs, messages = suite_mod.select_workloads(suite.workloads, FLAGS.workloads)
+    for m in messages:
+        log(m)
     strategies = FLAGS.strategies or target_strategies()
     rows: list[DeviceRow] = []
     info: dict = {}
-    for spec in suite.workloads:
-        if spec.name not in FLAGS.workloads:
-            continue
+    for spec in specs:
         found = []
         for s in strategies:
             log(f"{spec.name} / {s}: own process")

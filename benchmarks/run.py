@@ -97,15 +97,9 @@ def select_strategies(suite: suite_mod.Suite, only: Sequence[str] | None,
 def select_workloads(suite: suite_mod.Suite, only: Sequence[str] | None
                      ) -> tuple[list[suite_mod.WorkloadSpec], bool, list[str]]:
     """(workloads, include the call-overhead section, messages)."""
-    specs = list(suite.workloads)
     with_overhead = suite.overhead is not None
-    messages = []
+    specs, messages = suite_mod.select_workloads(suite.workloads, only, [OVERHEAD_ROW] if with_overhead else [])
     if only:
-        known = [w.name for w in specs] + ([OVERHEAD_ROW] if with_overhead else [])
-        for pat in only:
-            if not any(fnmatch.fnmatchcase(n, pat) for n in known):
-                messages.append(f"--workloads: {pat!r} matches none of {known}")
-        specs = [w for w in specs if any(fnmatch.fnmatchcase(w.name, p) for p in only)]
         with_overhead = with_overhead and any(fnmatch.fnmatchcase(OVERHEAD_ROW, p) for p in only)
     return specs, with_overhead, messages
 

@@ -21,11 +21,12 @@ their sizes, the strategies to compare and how many interleaved repeats to time.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
 import tomllib
-from typing import Any
+from typing import Any, Sequence
 
-__all__ = ["OverheadSpec", "Suite", "SuiteError", "WorkloadSpec", "load"]
+__all__ = ["OverheadSpec", "Suite", "SuiteError", "WorkloadSpec", "load", "select_workloads"]
 
 
 class SuiteError(ValueError):
@@ -105,3 +106,15 @@ def load(path: str | os.PathLike[str]) -> Suite:
     return Suite(path=path, description=str(raw.get("description", "")), repeats=repeats,
                  min_sample_seconds=float(min_sample), memory_analysis=bool(raw.get("memory_analysis", True)),
                  strategies=tuple(strategies), workloads=tuple(workloads), overhead=overhead)
+
+
+def select_workloads(specs: Sequence[WorkloadSpec], only: Sequence[str] | None,
+                     also_known: Sequence[str] = ()) -> tuple[list[WorkloadSpec], list[str]]:
+    """The workloads whose names match a pattern of `only` (globs; None: all), and one
+    `--workloads` message per pattern that matches none of them nor of `also_known`."""
+    if not only:
+        return list(specs), []
+    known = [w.name for w in specs] + list(also_known)
+    messages = [f"--workloads: {pat!r} matches none of {known}" for pat in only
+                if not any(fnmatch.fnmatchcase(n, pat) for n in known)]
+    return [w for w in specs if any(fnmatch.fnmatchcase(w.name, p) for p in only)], messages

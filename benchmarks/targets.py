@@ -32,7 +32,8 @@ from benchmarks.strategies import (AOTGRAD_PREFIX, CHECKPOINT_PREFIX, CHECKPOINT
                                    checkpointed, xla_peak)
 from benchmarks.workloads import Workload, build
 
-__all__ = ["TARGETS", "TargetRow", "format_rows", "plot", "run_target", "step_and_context", "target_strategies"]
+__all__ = ["TARGETS", "TargetRow", "compile_step", "format_rows", "plot", "run_target", "step_and_context",
+           "target_strategies"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -134,12 +135,18 @@ def step_and_context(strategy: str, w: Workload) -> tuple[Callable[..., Any], Ca
     return jax.value_and_grad(aotgrad.compile(w.loss_fn)), lambda: aotgrad.config.patch(**options)
 
 
+def compile_step(strategy: str, w: Workload, params: Any, batch: Any) -> Any:
+    """The strategy's `jax.jit(jax.value_and_grad(loss))` compiled for these arguments
+    (arrays, or `ShapeDtypeStruct`s placed on a target's devices)."""
+    fn, context = step_and_context(strategy, w)
+    with context():
+        return jax.jit(fn).lower(params, batch).compile()
+
+
 def _measure(strategy: str, w: Workload, params: Any, batch: Any) -> TargetRow:
     t0 = time.perf_counter()
     try:
-        fn, context = step_and_context(strategy, w)
-        with context():
-            compiled = jax.jit(fn).lower(params, batch).compile()
+        compiled = compile_step(strategy, w, params, batch)
     except Exception as e:  # a strategy that cannot be built for the target is a row that says why
         return TargetRow(w.name, strategy, None, None, None, None, time.perf_counter() - t0,
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
