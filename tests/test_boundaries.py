@@ -7,9 +7,10 @@ import importlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Var
 
 import aotgrad
-from aotgrad.partition.boundaries import boundaries, layer_points
+from aotgrad.partition.boundaries import boundaries, head, layer_points
 from aotgrad.partition.peak import _program_peak
 from cuts import joint_graph
 
@@ -76,6 +77,39 @@ def test_layer_points_group_boundaries_no_matmul_separates() -> None:
     for i, point in enumerate(pairs):
         assert set(stream[2 * i:2 * i + 2]) <= set(point.tolist())
     assert np.array_equal(np.concatenate(points), found)  # every boundary once, in order
+
+
+V = 10 * D  # a vocabulary wider than the stream
+
+
+def residual_mlp_with_head(ws: list, w_out: jax.Array, x: jax.Array) -> jax.Array:
+    """`residual_mlp`'s layers, then a loss head: logits over V classes, log-softmax."""
+    for w1, w2 in ws:
+        x = x + jnp.tanh(x @ w1) @ w2
+    logits = x @ w_out
+    return -jnp.sum(jax.nn.log_softmax(logits)[:, 0])
+
+
+def test_head_is_what_the_backward_is_done_with_before_any_layer() -> None:
+    """The backward starts at the loss: it is done with the logits and their softmax
+    before it reaches the last layer's boundary. Those [B, V] values (the ones the
+    backward reads) are the head; no layer's [B, 4D] hidden value is, and nothing computed
+    before the last layer's output (the stream's last boundary)."""
+    ks = jax.random.split(jax.random.key(2), 2 * L + 2)
+    ws = [(jax.random.normal(ks[2 * i], (D, 4 * D)), jax.random.normal(ks[2 * i + 1], (4 * D, D)))
+          for i in range(L)]
+    w_out, x = jax.random.normal(ks[-2], (D, V)), jax.random.normal(ks[-1], (B, D))
+    problem = _problem(residual_mlp_with_head, ws, w_out, x)
+    found = boundaries(problem)
+    loss_head = set(head(problem, found).tolist())
+    graph = problem.graph
+    read = {problem.position[v] for e in graph.eqns if graph.is_backward_eqn(e)
+            for v in e.invars if isinstance(v, Var) and v in problem.position}
+    wide = {k for k in read if problem.values[k].aval.shape == (B, V)}
+    assert wide and wide <= loss_head  # the logits (or their softmax) and their like
+    assert not any(problem.values[k].aval.shape == (B, 4 * D) for k in loss_head)
+    assert min(loss_head) >= max(k for k in found if problem.values[k].aval.shape == (B, D))
+    assert not len(head(problem, np.zeros(0, np.int64)))  # no layers: no head
 
 
 def test_program_peak_counts_what_xla_writes_and_frees() -> None:

@@ -20,6 +20,14 @@ group is one place where the backward could restart. Saving every point lets the
 recompute half a layer at a time; saving every second point saves half the bytes and
 recomputes a whole layer at once (as `jax.checkpoint` on each layer does), which the peak
 estimate weighs (`budget.py`).
+
+Past the last layer, the loss head (a final norm, the logits, the loss) is not a layer:
+the backward starts there, so `head` finds it by when the backward is done with each
+value, not by post-dominance. Saving the head's values instead of recomputing them
+(the logits' matmul, on a language model) costs memory only at the backward's start,
+where the head's gradient is computed anyway and, in a jitted step, XLA writes it over
+the saved values as they die. (`jax.checkpoint` on each layer leaves the head
+outside too.)
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ from aotgrad.partition.rules import Kind
 if TYPE_CHECKING:  # min_cut imports budget, which imports this module
     from aotgrad.partition.min_cut import Problem
 
-__all__ = ["boundaries", "layer_points", "post_dominators"]
+__all__ = ["boundaries", "head", "layer_points", "post_dominators"]
 
 
 def post_dominators(problem: Problem) -> list[int | None]:
@@ -109,3 +117,25 @@ def layer_points(problem: Problem, found: np.ndarray) -> list[np.ndarray]:
         groups[-1].append(int(k))
         last = e
     return [np.asarray(g, np.int64) for g in groups]
+
+
+def head(problem: Problem, found: np.ndarray) -> np.ndarray:
+    """Positions of the forward values that the backward is done with no later than it is
+    done with any of the boundaries `found`: the loss head. Empty without boundaries."""
+    graph = problem.graph
+    position = problem.position
+    done = np.zeros(len(problem.values), np.int64)  # rank of the last backward reader; 0: none
+    rank = 0
+    for eqn in graph.eqns:
+        if graph.is_backward_eqn(eqn):
+            rank += 1
+            for v in eqn.invars:
+                if isinstance(v, Var) and v in position:
+                    done[position[v]] = rank
+    for v in graph.grads:  # a forward value that is a gradient lives to the end
+        if isinstance(v, Var) and v in position:
+            done[position[v]] = rank + 1
+    read = done[found][done[found] > 0]
+    if not len(read):
+        return np.zeros(0, np.int64)
+    return np.nonzero((done > 0) & (done <= read.min()))[0]
