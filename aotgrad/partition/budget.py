@@ -27,14 +27,16 @@ The candidates:
   (`boundaries.py`) free to save, which lets the backward recompute one layer at a time,
   and at the highest price with only every second layer point free (a block's input, not
   also its middle: fewer checkpoints, a whole block recomputed at once).
-- Those highest-priced cuts once more with the loss head free to save too
-  (`boundaries.head`): the layers checkpointed as before, the logits kept rather than
-  recomputed, as `jax.checkpoint` on each layer leaves them. The estimate charges the
-  saved head for the whole backward, as it is where the backward is a program of its own;
-  in a jitted step XLA frees it at the backward's start, where the head's gradient needs
-  as much memory anyway: GPT-2 small on an H100 peaked at 4.15 GB with it against 4.17
-  without, at 0.93x the FLOPs (docs/benchmarks.md). So these cuts sit at a budget a
-  little above 0, not at 0.
+- The cuts with every second point free once more with the loss head free to save too
+  (`boundaries.head`; every point where there are too few for that): each block
+  checkpointed once, the logits kept rather than recomputed, as `jax.checkpoint` on each
+  layer leaves them. The estimate charges the saved head for the whole backward, as it is
+  where the backward is a program of its own; in a jitted step XLA frees it at the
+  backward's start, where the head's gradient needs as much memory anyway: GPT-2 small on
+  an H100 peaked at 4.15 GB with it against 4.17 without, at 0.93x the FLOPs
+  (docs/benchmarks.md). So these cuts sit at a budget a little above 0, not at 0, and
+  the cuts between, which the estimate ranks lower, can peak higher in a jitted step.
+  (With every point free as well as the head, 8 data-parallel H100s peaked 1.4x higher.)
 
 A budget in bytes (`Bytes`, "12GB") is the limit itself: the cheapest candidate whose
 estimated step peak is at most that many bytes; if none is, `BudgetUnreachable` names the
@@ -189,8 +191,8 @@ def _with_boundaries(problem: Problem, relaxed: np.ndarray) -> list[Cut]:
     for points_free in spaced:
         cuts += _priced(problem, relaxed, points_free, PRICES[-1:])
     loss_head = head(problem, free)
-    if len(loss_head):  # each of the highest-priced cuts again, the loss head free to save
-        for points_free in (free, *spaced):
+    if len(loss_head):  # the coarsest cuts again, the loss head free to save
+        for points_free in spaced or [free]:
             cuts += _priced(problem, relaxed, np.concatenate([points_free, loss_head]), PRICES[-1:])
     return cuts
 
