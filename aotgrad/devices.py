@@ -22,7 +22,14 @@ What differs between devices today:
   re-reads nothing its neighbours do not read anyway. GPT-2 small on an H100 at budget
   0: 155.7 GB moved instead of 165.3, the same peak (docs/benchmarks.md). XLA:TPU moved
   more bytes with reductions priced so (a GPT at budget 0: 3.06 GB against 2.93): there
-  a recomputed reduction still re-reads its input.
+  a recomputed reduction still re-reads its input;
+- whether the budget offers cuts that keep the loss head (`keeps_loss_head`,
+  `partition/budget.py`): on XLA:GPU a low budget that checkpoints each block and keeps
+  the logits peaked no higher, and moved fewer bytes and FLOPs, than one that recomputes
+  them (GPT-2 small on an H100 at budget 0.1: 4.15 GB / 154.0 GB moved / 8278 GFLOP
+  against 4.78 / 159.8 / 8649; four other GPTs, one H100 and 8 sharded, the same way).
+  XLA:TPU moved more bytes with them (GPT-2 small 123.1 GB against 108.8, a GPT with
+  D=1024 56.4 against 52.9, the latter at a higher peak), so there they are not offered.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ class DeviceProfile:
     memory_bytes: int | None = None  # per device
     matmul_operands_cost: bool = False  # see the module docstring
     row_reductions_fuse: bool = False  # see the module docstring
+    keeps_loss_head: bool = False  # see the module docstring
 
     def flops(self, dtype: str) -> float | None:
         return dict(self.matmul_flops).get(dtype)
@@ -63,17 +71,17 @@ PROFILES: tuple[DeviceProfile, ...] = (
     # TFLOP/s (float32 matmuls run as TF32 at JAX's default precision on GPUs).
     DeviceProfile("h100", "gpu", ("H100",), (("float32", 494.7 * _T), ("bfloat16", 989.4 * _T),
                                              ("float16", 989.4 * _T)), 3.35e12, 80 * 2**30, True,
-                  row_reductions_fuse=True),
+                  row_reductions_fuse=True, keeps_loss_head=True),
     # NVIDIA A100 SXM4 80GB datasheet: HBM2e 2,039 GB/s; dense TF32 156, BF16/FP16 312 TFLOP/s.
     DeviceProfile("a100", "gpu", ("A100",), (("float32", 156 * _T), ("bfloat16", 312 * _T),
                                              ("float16", 312 * _T)), 2.039e12, 80 * 2**30, True,
-                  row_reductions_fuse=True),
+                  row_reductions_fuse=True, keeps_loss_head=True),
     # Google Cloud TPU v5e documentation: 197 TFLOP/s bf16, HBM 16 GiB at 819 GB/s
     # (float32 matmuls run as one bf16 pass at JAX's default precision on TPUs).
     DeviceProfile("tpu-v5e", "tpu", ("v5 lite", "v5e"), (("float32", 197 * _T), ("bfloat16", 197 * _T)),
                   819e9, 16 * 2**30, True),
     # Any other GPU or TPU: its numbers are not known, its compiler's habits are.
-    DeviceProfile("gpu", "gpu", (), matmul_operands_cost=True, row_reductions_fuse=True),
+    DeviceProfile("gpu", "gpu", (), matmul_operands_cost=True, row_reductions_fuse=True, keeps_loss_head=True),
     DeviceProfile("tpu", "tpu", (), matmul_operands_cost=True),
 )
 

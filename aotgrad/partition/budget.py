@@ -28,7 +28,8 @@ The candidates:
   and at the highest price with only every second layer point free (a block's input, not
   also its middle: fewer checkpoints, a whole block recomputed at once).
 - The cuts with every second point free once more with the loss head free to save too
-  (`boundaries.head`; every point where there are too few for that): each block
+  (`boundaries.head`; every point where there are too few for that), on devices where
+  that was measured to pay (`DeviceProfile.keeps_loss_head`: GPUs): each block
   checkpointed once, the logits kept rather than recomputed, as `jax.checkpoint` on each
   layer leaves them. The estimate charges the saved head for the whole backward, as it is
   where the backward is a program of its own; in a jitted step XLA frees it at the
@@ -190,7 +191,8 @@ def _with_boundaries(problem: Problem, relaxed: np.ndarray) -> list[Cut]:
               if len(points) >= 2 * every for phase in range(every)]
     for points_free in spaced:
         cuts += _priced(problem, relaxed, points_free, PRICES[-1:])
-    loss_head = head(problem, free)
+    device = problem.graph.device
+    loss_head = head(problem, free) if device is not None and device.keeps_loss_head else free[:0]
     if len(loss_head):  # the coarsest cuts again, the loss head free to save
         for points_free in spaced or [free]:
             cuts += _priced(problem, relaxed, np.concatenate([points_free, loss_head]), PRICES[-1:])
