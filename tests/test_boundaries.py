@@ -116,7 +116,8 @@ def test_the_head_is_kept_on_a_gpu_and_recomputed_on_a_tpu() -> None:
     """The budget offers cuts that checkpoint the layers and keep the loss head where the
     device profile says that pays (`keeps_loss_head`: GPUs), not elsewhere (TPUs, where
     they moved more bytes). Such a cut saves the head's [B, V] values and recomputes a
-    layer's matmul; the other candidates recompute the head whenever they recompute a layer."""
+    layer's matmul; the other candidates recompute the head whenever they recompute a layer.
+    A scan body (`stacked`) has no loss head: its saved values stay for every iteration."""
     import dataclasses
     from aotgrad.devices import profile_named
     from aotgrad.partition import budget
@@ -126,16 +127,17 @@ def test_the_head_is_kept_on_a_gpu_and_recomputed_on_a_tpu() -> None:
     w_out, x = jax.random.normal(ks[-2], (D, V)), jax.random.normal(ks[-1], (B, D))
     graph = joint_graph(residual_mlp_with_head, ws, w_out, x)
 
-    def head_kept_layers_recomputed(device: str) -> bool:
+    def head_kept_layers_recomputed(device: str, stacked: bool = False) -> bool:
         problem = min_cut.Problem.of(dataclasses.replace(graph, device=profile_named(device)))
         relaxed = problem.recompute_costs(allow_costly=True)
         free = boundaries(problem)
-        cuts = budget.ladder(problem, relaxed) + budget._with_boundaries(problem, relaxed)
+        cuts = budget.ladder(problem, relaxed) + budget._with_boundaries(problem, relaxed, stacked)
         layer_dots = {e for e, i in enumerate(problem.eqns) if graph.eqns[i].primitive is jax.lax.dot_general_p
                       and problem.values[problem.position[graph.eqns[i].outvars[0]]].aval.shape != (B, V)}
         wide = {problem.values[k] for k in head(problem, free) if problem.values[k].aval.shape == (B, V)}
         return any(wide <= set(c.saved) and layer_dots & set(c.recomputed) for c in cuts)
     assert head_kept_layers_recomputed("h100")
+    assert not head_kept_layers_recomputed("h100", stacked=True)  # a scan body: no loss head
     assert not head_kept_layers_recomputed("tpu-v5e")
     assert not head_kept_layers_recomputed("cpu")
 

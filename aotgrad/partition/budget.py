@@ -177,11 +177,13 @@ def _priced(problem: Problem, relaxed: np.ndarray, free: np.ndarray | None = Non
     return cuts
 
 
-def _with_boundaries(problem: Problem, relaxed: np.ndarray) -> list[Cut]:
+def _with_boundaries(problem: Problem, relaxed: np.ndarray, stacked: bool = False) -> list[Cut]:
     """The priced cuts again, with the layer boundaries free to save: the backward then
     recomputes one layer at a time from its input (see `boundaries.py`). Then with only
     every second layer point free (`COARSER_POINTS`), at the highest price (these serve
-    the lowest peaks): fewer checkpoints, more recomputed at once."""
+    the lowest peaks): fewer checkpoints, more recomputed at once. Those last again with
+    the loss head free too, where the device keeps it and `stacked` is False (a scan
+    body's saved values stay for every iteration; it has no loss head)."""
     free = boundaries(problem)
     if not len(free):
         return []
@@ -192,7 +194,8 @@ def _with_boundaries(problem: Problem, relaxed: np.ndarray) -> list[Cut]:
     for points_free in spaced:
         cuts += _priced(problem, relaxed, points_free, PRICES[-1:])
     device = problem.graph.device
-    loss_head = head(problem, free) if device is not None and device.keeps_loss_head else free[:0]
+    keeps_head = not stacked and device is not None and device.keeps_loss_head
+    loss_head = head(problem, free) if keeps_head else free[:0]
     if len(loss_head):  # the coarsest cuts again, the loss head free to save
         for points_free in spaced or [free]:
             cuts += _priced(problem, relaxed, np.concatenate([points_free, loss_head]), PRICES[-1:])
@@ -228,7 +231,7 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
     peak, and the scan's own schedule (`scan_schedule`) is built on them too."""
     relaxed = problem.recompute_costs(allow_costly=True)
     seen: dict[frozenset, Choice] = {}
-    for cut in ladder(problem, relaxed) + _with_boundaries(problem, relaxed):
+    for cut in ladder(problem, relaxed) + _with_boundaries(problem, relaxed, stacked):
         key = frozenset(cut.saved)
         if key in seen:
             continue
