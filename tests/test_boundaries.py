@@ -2,6 +2,7 @@
 that the memory budget chooses cuts by: both against hand-known answers."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import jax
@@ -10,6 +11,8 @@ import numpy as np
 from jax.extend.core import Var
 
 import aotgrad
+from aotgrad.devices import profile_named
+from aotgrad.partition import budget as budget_mod
 from aotgrad.partition.boundaries import boundaries, head, layer_points
 from aotgrad.partition.peak import _program_peak
 from cuts import joint_graph
@@ -90,16 +93,20 @@ def residual_mlp_with_head(ws: list, w_out: jax.Array, x: jax.Array) -> jax.Arra
     return -jnp.sum(jax.nn.log_softmax(logits)[:, 0])
 
 
+def _head_model_args() -> tuple:
+    """Arguments of `residual_mlp_with_head`: L layers' weights, the head's, a batch."""
+    ks = jax.random.split(jax.random.key(2), 2 * L + 2)
+    ws = [(jax.random.normal(ks[2 * i], (D, 4 * D)), jax.random.normal(ks[2 * i + 1], (4 * D, D)))
+          for i in range(L)]
+    return ws, jax.random.normal(ks[-2], (D, V)), jax.random.normal(ks[-1], (B, D))
+
+
 def test_head_is_what_the_backward_is_done_with_before_any_layer() -> None:
     """The backward starts at the loss: it is done with the logits and their softmax
     before it reaches the last layer's boundary. Those [B, V] values (the ones the
     backward reads) are the head; no layer's [B, 4D] hidden value is, and nothing computed
     before the last layer's output (the stream's last boundary)."""
-    ks = jax.random.split(jax.random.key(2), 2 * L + 2)
-    ws = [(jax.random.normal(ks[2 * i], (D, 4 * D)), jax.random.normal(ks[2 * i + 1], (4 * D, D)))
-          for i in range(L)]
-    w_out, x = jax.random.normal(ks[-2], (D, V)), jax.random.normal(ks[-1], (B, D))
-    problem = _problem(residual_mlp_with_head, ws, w_out, x)
+    problem = _problem(residual_mlp_with_head, *_head_model_args())
     found = boundaries(problem)
     loss_head = set(head(problem, found).tolist())
     graph = problem.graph
@@ -118,20 +125,13 @@ def test_the_head_is_kept_on_a_gpu_and_recomputed_on_a_tpu() -> None:
     they moved more bytes). Such a cut saves the head's [B, V] values and recomputes a
     layer's matmul; the other candidates recompute the head whenever they recompute a layer.
     A scan body (`stacked`) has no loss head: its saved values stay for every iteration."""
-    import dataclasses
-    from aotgrad.devices import profile_named
-    from aotgrad.partition import budget
-    ks = jax.random.split(jax.random.key(2), 2 * L + 2)
-    ws = [(jax.random.normal(ks[2 * i], (D, 4 * D)), jax.random.normal(ks[2 * i + 1], (4 * D, D)))
-          for i in range(L)]
-    w_out, x = jax.random.normal(ks[-2], (D, V)), jax.random.normal(ks[-1], (B, D))
-    graph = joint_graph(residual_mlp_with_head, ws, w_out, x)
+    graph = joint_graph(residual_mlp_with_head, *_head_model_args())
 
     def head_kept_layers_recomputed(device: str, stacked: bool = False) -> bool:
         problem = min_cut.Problem.of(dataclasses.replace(graph, device=profile_named(device)))
         relaxed = problem.recompute_costs(allow_costly=True)
         free = boundaries(problem)
-        cuts = budget.ladder(problem, relaxed) + budget._with_boundaries(problem, relaxed, stacked)
+        cuts = budget_mod.ladder(problem, relaxed) + budget_mod._with_boundaries(problem, relaxed, stacked)
         layer_dots = {e for e, i in enumerate(problem.eqns) if graph.eqns[i].primitive is jax.lax.dot_general_p
                       and problem.values[problem.position[graph.eqns[i].outvars[0]]].aval.shape != (B, V)}
         wide = {problem.values[k] for k in head(problem, free) if problem.values[k].aval.shape == (B, V)}
