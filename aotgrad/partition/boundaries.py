@@ -25,9 +25,9 @@ Past the last layer, the loss head (a final norm, the logits, the loss) is not a
 the backward starts there, so `head` finds it by when the backward is done with each
 value, not by post-dominance. Saving the head's values instead of recomputing them
 (the logits' matmul, on a language model) costs memory only at the backward's start,
-where the head's gradient is computed anyway and, in a jitted step, XLA writes it over
-the saved values as they die. (`jax.checkpoint` on each layer leaves the head
-outside too.)
+where the head's gradient is computed anyway: in a jitted step XLA frees them there
+(GPT-2 small on an H100 peaked no higher with them kept). (`jax.checkpoint` on each layer
+leaves the head outside too.)
 """
 from __future__ import annotations
 
