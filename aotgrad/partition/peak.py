@@ -5,9 +5,11 @@ and outputs, plus the largest total of temporaries live at once, running the equ
 the order the program is emitted: the backward's recomputation just before its first use
 where `schedule.tie` holds it there, and at the backward's start where nothing does (XLA
 starts independent work early). A temporary is counted only if XLA would write it to
-memory: not an elementwise value read by one elementwise equation, which fuses into it
-(a value with two readers is written: XLA keeps a batch norm's centred input, say, for
-its backward). The step's peak is the larger of the two programs'.
+memory: not an elementwise value read by one elementwise equation or one reduction, which
+fuses into it (a value with two readers is written: XLA keeps a batch norm's centred input,
+say, for its backward), and not beside an operand whose buffer it takes: an elementwise
+result writes over a same-sized operand read for the last time, a scatter or an update
+in place over its first operand. The step's peak is the larger of the two programs'.
 """
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ from jax.extend.core import JaxprEqn, Var
 
 from aotgrad.partition import costs, schedule
 from aotgrad.partition.graph import JointGraph, live_eqns
-from aotgrad.partition.rules import Kind, kind_of
+from aotgrad.partition.rules import IN_PLACE, Kind, kind_of
 
 __all__ = ["Peak", "estimate"]
 
 _FUSED = (Kind.CHEAP, Kind.MOVE)
+_READ_FUSED = _FUSED + (Kind.REDUCE,)  # readers a single elementwise producer fuses into
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +71,10 @@ def _untied_first(graph: JointGraph, eqns: list[JaxprEqn]) -> list[JaxprEqn]:
 
 
 def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list) -> int:
-    """Arguments + outputs + the most temporaries live at once, running `eqns` in order."""
+    """Arguments + outputs + the most temporaries live at once, running `eqns` in order.
+    A result takes the buffer of an operand read for the last time by the same equation
+    where XLA reuses it: an elementwise result of the operand's size (a fused loop writes
+    over its input), an update in place (`IN_PLACE`) over its first operand."""
     arg_set = set(args)
     out_set = {v for v in outs if isinstance(v, Var)}
     fixed = sum(costs.nbytes(v.aval) for v in arg_set) + \
@@ -76,25 +82,43 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list) -> int:
     last: dict[Var, int] = {}
     written: set[Var] = set()
     for i, e in enumerate(eqns):
-        reader_fuses = kind_of(e) in _FUSED
+        reader_fuses = kind_of(e) in _READ_FUSED
         for v in e.invars:
             if isinstance(v, Var):
                 if not reader_fuses or v in last:  # a second reader: XLA writes it
                     written.add(v)
                 last[v] = i
-    frees: dict[int, int] = {}
+    held: dict[Var, int] = {}  # temporaries in memory: their bytes
+    frees: dict[int, list[Var]] = {}
     live = peak = 0
     for i, e in enumerate(eqns):
-        made_fuses = kind_of(e) in _FUSED
+        kind = kind_of(e)
+        made_fuses = kind in _FUSED
+        dying = dict.fromkeys(v for v in e.invars if isinstance(v, Var) and v in held and last[v] == i)
+        reusable = _reusable(e, kind, list(dying))
         for v in e.outvars:
             if not isinstance(v, Var) or v in out_set or v in arg_set:
                 continue
             if made_fuses and v not in written:
                 continue
             b = costs.nbytes(v.aval)
-            live += b
-            freed_at = last.get(v, i)  # after its last reader, or at once if it has none
-            frees[freed_at] = frees.get(freed_at, 0) + b
+            taken = next((u for u in reusable if held[u] == b), None)
+            if taken is not None:  # the operand's buffer, no longer freed at i
+                reusable.remove(taken)
+                frees[i].remove(taken)
+                del held[taken]
+            else:
+                live += b
+            held[v] = b
+            frees.setdefault(last.get(v, i), []).append(v)  # after its last reader, or at once
         peak = max(peak, live)
-        live -= frees.pop(i, 0)
+        for v in frees.pop(i, ()):
+            live -= held.pop(v)
     return fixed + peak
+
+
+def _reusable(eqn: JaxprEqn, kind: Kind, dying: list[Var]) -> list[Var]:
+    """The operands read for the last time by `eqn` whose buffers its result may take."""
+    if eqn.primitive in IN_PLACE:
+        return [v for v in dying if v is eqn.invars[0]]
+    return dying if kind is Kind.CHEAP else []

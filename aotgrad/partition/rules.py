@@ -44,7 +44,7 @@ from aotgrad._jax_internals import jax_primitives
 from aotgrad._jax_internals import primitives as I
 from aotgrad.interpret import sub_jaxprs
 
-__all__ = ["FALLBACK", "FLOAT_EQUALITY", "Kind", "RULES", "kind_of", "register", "sub_jaxprs", "without_rule"]
+__all__ = ["FALLBACK", "FLOAT_EQUALITY", "IN_PLACE", "Kind", "RULES", "kind_of", "register", "sub_jaxprs", "without_rule"]
 
 
 class Kind(enum.Enum):
@@ -134,6 +134,11 @@ _BY_NAME: dict[str, Kind] = {
 
 # Comparisons never recomputed on values widened from 16-bit floats (see the docstring).
 FLOAT_EQUALITY = frozenset({P.eq_p, P.ne_p})
+
+# Equations whose result XLA writes over their first operand's buffer when nothing reads
+# that operand afterwards (an update in place: the operand is copied first otherwise).
+IN_PLACE = frozenset({P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p,
+                      P.dynamic_update_slice_p})
 
 # Calls are as costly as the worst equation in their body (a relu's custom_jvp_call is cheap,
 # a `jax.checkpoint` of pointwise math is cheap).
