@@ -26,9 +26,9 @@ What differs between devices today:
 - whether the budget offers cuts that keep the loss head (`keeps_loss_head`,
   `partition/budget.py`): on XLA:GPU a low budget that checkpoints each block and keeps
   the logits peaked no higher, and moved fewer bytes and FLOPs, than one that recomputes
-  them (GPT-2 small on an H100 at budget 0.1: 4.15 GB / 154.0 GB moved / 8278 GFLOP
-  against 4.78 / 159.8 / 8649; the same on 8 H100s, data parallel and FSDP, and on a GPT
-  with D=1024).
+  them (GPT-2 small on an H100 at budget 0.1, when they came: 4.15 GB / 154.0 GB moved /
+  8278 GFLOP against 4.78 / 159.8 / 8649; the same on 8 H100s, data parallel and FSDP,
+  and on a GPT with D=1024).
   XLA:TPU moved more bytes with them (GPT-2 small 123.1 GB against 108.8, a GPT with
   D=1024 56.4 against 52.9, the latter at a higher peak), so there they are not offered.
 """

@@ -32,11 +32,11 @@ The candidates:
   that was measured to pay (`DeviceProfile.keeps_loss_head`: GPUs): each block
   checkpointed once, the logits kept rather than recomputed, as `jax.checkpoint` on each
   layer leaves them. The estimate charges the saved head for the whole backward, as it is
-  where the backward is a program of its own; in a jitted step XLA frees it at the
-  backward's start, where the head's gradient needs as much memory anyway: GPT-2 small on
-  an H100 peaked at 4.15 GB with it against 4.17 without, at 0.93x the FLOPs
-  (docs/benchmarks.md). So these cuts sit at a budget a little above 0, not at 0, and
-  the cuts between, which the estimate ranks lower, can peak higher in a jitted step.
+  where the backward is a program of its own; in a jitted step XLA frees it once the
+  head's gradient is made. Where the head's backward is the step's peak that costs
+  nothing (GPT-2 small on an H100: budget 0 keeps the head, 4.15 GB against 4.17 without
+  it, at 0.93x the FLOPs; docs/benchmarks.md); where a layer's backward is, these cuts
+  are estimated above budget 0's, and a budget between can peak higher in a jitted step.
   (With every point free as well as the head, 8 data-parallel H100s peaked 1.4x higher.)
 
 A budget in bytes (`Bytes`, "12GB") is the limit itself: the cheapest candidate whose
