@@ -79,10 +79,11 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list) -> int:
     out_set = {v for v in outs if isinstance(v, Var)}
     fixed = sum(costs.nbytes(v.aval) for v in arg_set) + \
         sum(costs.nbytes(v.aval) for v in out_set - arg_set)
+    kinds = [kind_of(e) for e in eqns]
     last: dict[Var, int] = {}
     written: set[Var] = set()
     for i, e in enumerate(eqns):
-        reader_fuses = kind_of(e) in _READ_FUSED
+        reader_fuses = kinds[i] in _READ_FUSED
         for v in e.invars:
             if isinstance(v, Var):
                 if not reader_fuses or v in last:  # a second reader: XLA writes it
@@ -92,10 +93,9 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list) -> int:
     frees: dict[int, list[Var]] = {}
     live = peak = 0
     for i, e in enumerate(eqns):
-        kind = kind_of(e)
-        made_fuses = kind in _FUSED
+        made_fuses = kinds[i] in _FUSED
         dying = dict.fromkeys(v for v in e.invars if isinstance(v, Var) and v in held and last[v] == i)
-        reusable = _reusable(e, kind, list(dying))
+        reusable = _reusable(e, kinds[i], list(dying))
         for v in e.outvars:
             if not isinstance(v, Var) or v in out_set or v in arg_set:
                 continue
