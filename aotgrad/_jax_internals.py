@@ -13,6 +13,8 @@
 - re-opening the persistent compilation cache after its directory changed;
 - context states in JAX's jit cache key (as `jax.default_matmul_precision` is), so an
   enclosing `jax.jit` retraces when aotgrad's program-changing state changes;
+- whether the code running now is being staged into a jaxpr (`staging`: a `jax.jit` being
+  traced, under any transformations), where a forward and its backward become one program;
 - what differs between the supported JAX versions: how a scan equation's params describe
   its operands (`scan_params`), whether a jaxpr param is closed (`open_jaxpr`; since jax
   0.11 `ClosedJaxpr` is an alias of `Jaxpr`), and the primitives only some versions have
@@ -51,14 +53,15 @@ from jax._src import (callback, compilation_cache, debugging, ffi, linear_util, 
                       source_info_util, traceback_util)
 from jax._src import config as jax_config  # noqa: E402
 from jax._src.array import ArrayImpl  # noqa: E402
-from jax._src.core import Tracer, pvary_p  # noqa: E402
+from jax._src.core import Tracer, pvary_p, trace_ctx  # noqa: E402
+from jax._src.interpreters.partial_eval import DynamicJaxprTrace  # noqa: E402
 from jax._src.lax import lax as _lax  # noqa: E402
 from jax._src.lax import linalg, parallel  # noqa: E402
 from jax._src.random import prng  # noqa: E402
 
 __all__ = ["JAX_VERSION", "MIN_JAX", "ArrayImpl", "ScanParams", "Tracer", "bind_eqn", "eqn_context",
            "hlo_cost", "is_jaxpr", "jax_primitives", "jit_key_state", "name_scopes", "open_jaxpr", "primitives", "reset_compilation_cache", "scan_params",
-           "source_line", "short_source_line", "wrap_like"]
+           "source_line", "staging", "short_source_line", "wrap_like"]
 
 
 # Primitives missing from `jax.extend.core.primitives`, by their public names' spelling.
@@ -142,6 +145,18 @@ def jit_key_state(name: str, default: Any) -> Any:
     before hits its cache again."""
     return jax_config.config_ext.Config(name, default, include_in_jit_key=True,
                                         include_in_trace_context=True)
+
+
+def staging() -> bool:
+    """Whether values computed now are being staged into a jaxpr (a `jax.jit`, `lax.scan` or
+    `jax.checkpoint` being traced), below any transformations (`jax.vmap` inside a jit): the
+    innermost trace in force, then each one it hands its work to, is a jaxpr's."""
+    trace = trace_ctx.trace
+    while trace is not None:
+        if isinstance(trace, DynamicJaxprTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
 
 
 def open_jaxpr(body: Any) -> tuple[Any, Sequence[Any]]:

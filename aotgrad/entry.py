@@ -14,8 +14,10 @@ import jax
 from jax.custom_derivatives import SymbolicZero
 from jax.tree_util import tree_leaves, tree_unflatten
 
+from aotgrad._jax_internals import staging
 from aotgrad.config import Snapshot, config
 from aotgrad.hooks import ArgLayout, Hook, InForce
+from aotgrad.partition import plans_staged
 from aotgrad.runtime import Pair, ProgramPair, Saved
 from aotgrad.trace import ForwardTrace, differentiable
 
@@ -24,7 +26,9 @@ __all__ = ["Entry", "Forward", "HookSource", "PairMaker", "compiled_entry", "lea
 logger = logging.getLogger("aotgrad")
 _dump_counter = itertools.count()
 
-Pattern = tuple[tuple[bool, ...], tuple[bool, ...]]  # (perturbed, has_ct)
+# (perturbed, has_ct, staged): which inputs are differentiated, which outputs take a
+# cotangent, and whether the step is traced under `jax.jit` (one program with its backward)
+Pattern = tuple[tuple[bool, ...], tuple[bool, ...], bool]
 
 
 class Forward(Protocol):
@@ -64,8 +68,10 @@ class HookSource(Protocol):
 class PairMaker(Protocol):
     """How an entry gets the pair of a differentiation pattern it has not built yet."""
 
-    def __call__(self, entry: "Entry", perturbed: tuple[bool, ...], has_ct: tuple[bool, ...]) -> Pair:
-        """The pair of `entry` for this pattern."""
+    def __call__(self, entry: "Entry", perturbed: tuple[bool, ...], has_ct: tuple[bool, ...],
+                 staged: bool) -> Pair:
+        """The pair of `entry` for this pattern; `staged`: for a step traced under `jax.jit`,
+        whose forward and backward XLA compiles as one program."""
 
 
 def leaf_args(in_tree: Any, arg_positions: tuple[int, ...]) -> tuple[int, ...]:
@@ -83,10 +89,12 @@ class Entry:
 
     def __init__(self, layout: ArgLayout, fwd: Forward, forward_only: Callable[..., list[Any]],
                  make_pair: PairMaker, hooks: HookSource | None = None,
-                 default_perturbed: tuple[bool, ...] | None = None) -> None:
+                 default_perturbed: tuple[bool, ...] | None = None, by_staging: bool = False) -> None:
         """`layout`: how the flat inputs map to the arguments; `hooks`: the function's hooks
         (read when a forward runs; None: it has none); `default_perturbed`: the inputs
-        differentiated when no arguments are named (None: every floating input)."""
+        differentiated when no arguments are named (None: every floating input);
+        `by_staging`: a step traced under `jax.jit` gets a pair of its own (planned for one
+        program); else every call shares the pattern's one pair."""
         self.layout = layout
         self.owner = layout.owner
         self.fwd = fwd
@@ -95,6 +103,7 @@ class Entry:
         self.leaf_args = leaf_args(layout.in_tree, layout.arg_positions)
         self.forward_only = forward_only
         self.make_pair = make_pair
+        self.by_staging = by_staging
         self.pairs: dict[Pattern, Pair] = {}
         self.plans: dict[object, Pair] = {}  # the pair each fwd_and_bwd uses
         self.hooks = hooks
@@ -106,12 +115,14 @@ class Entry:
         hooks = self.hooks.current if self.hooks is not None else ()
         return InForce(hooks, self.layout) if hooks else None
 
-    def pair(self, perturbed: tuple[bool, ...], has_ct: tuple[bool, ...]) -> Pair:
-        """The program pair for this differentiation pattern, made on first use."""
-        key = (perturbed, has_ct)
+    def pair(self, perturbed: tuple[bool, ...], has_ct: tuple[bool, ...], staged: bool = False) -> Pair:
+        """The program pair for this differentiation pattern, made on first use; `staged`:
+        for a step traced under `jax.jit` (the same pair as an eager call's unless
+        `by_staging`). Stages, `explain` and `fwd_and_bwd` run two programs: not staged."""
+        key = (perturbed, has_ct, staged and self.by_staging)
         pair = self.pairs.get(key)
         if pair is None:
-            pair = self.make_pair(self, perturbed, has_ct)
+            pair = self.make_pair(self, *key)
             self.pairs[key] = pair
         return pair
 
@@ -136,7 +147,7 @@ class Entry:
 
         def fwd(*primals: Any) -> tuple[list[Any], Saved]:
             perturbed = tuple(bool(p.perturbed) for p in primals)
-            pair = entry.pair(perturbed, has_ct)
+            pair = entry.pair(perturbed, has_ct, entry.by_staging and staging())
             return pair.run_forward([p.value for p in primals], entry.in_force())
 
         def bwd(saved: Saved, cts: Sequence[Any]) -> tuple[Any, ...]:
@@ -163,24 +174,29 @@ def compiled_entry(layout: ArgLayout, fwd: ForwardTrace, options: Snapshot, dona
     donated = {d + layout.n_args if d < 0 else d for d in donate_argnums}
     leaves = leaf_args(layout.in_tree, layout.arg_positions)
     donate = tuple(len(fwd.consts) + i for i, p in enumerate(leaves) if p in donated)
-    return Entry(layout, fwd, jax.jit(fwd, donate_argnums=donate), functools.partial(_build_pair, options, fwd), hooks)
+    return Entry(layout, fwd, jax.jit(fwd, donate_argnums=donate), functools.partial(_build_pair, options, fwd), hooks,
+                 by_staging=plans_staged(options.partitioner, options.activation_memory_budget))
 
 
 def _build_pair(options: Snapshot, fwd: ForwardTrace, entry: Entry, perturbed: tuple[bool, ...],
-                has_ct: tuple[bool, ...]) -> ProgramPair:
+                has_ct: tuple[bool, ...], staged: bool) -> ProgramPair:
     """A compiled entry's pair: the joint graph of `fwd`, built under the options the entry
-    was built under."""
+    was built under, planned for one program where `staged`."""
     # The options of the call that needs the pair: log_recompiles and debug_dir are not
     # keyed, so they take effect on an entry built before they were set.
     now = config.snapshot()
-    if now.log_recompiles and entry.pairs:
+    if now.log_recompiles and (perturbed, has_ct, not staged) in entry.pairs:
+        logger.warning("aotgrad: compiling %s again: %s", entry.owner,
+                       "traced under jax.jit, planned as one program with its backward" if staged
+                       else "called outside jax.jit, planned as two programs")
+    elif now.log_recompiles and entry.pairs:
         n = len(entry.fwd.consts)
         # Blame the nearest pattern built (fewest differently differentiated inputs).
         old = min((k[0] for k in reversed(entry.pairs)),
                   key=lambda o: sum(a != b for a, b in zip(o, perturbed)))
         logger.warning("aotgrad: compiling %s again: differentiated inputs changed: %s -> %s",
                        entry.owner, _mask_text(old[n:]), _mask_text(perturbed[n:]))
-    pair = ProgramPair.build(entry.owner, fwd, perturbed, has_ct, options)
+    pair = ProgramPair.build(entry.owner, fwd, perturbed, has_ct, options, staged)
     if now.debug_dir:
         pair.dump(now.debug_dir, _dump_tag(entry.owner))
     return pair

@@ -65,7 +65,7 @@ def _scan_rules(strategy: str, budget: Any, device: DeviceProfile) -> dict | Non
 
 def _other_scan_levels(unreachable: BudgetUnreachable, fwd: ForwardTrace, perturbed: tuple[bool, ...],
                        has_ct: tuple[bool, ...], strategy: str, budget: Any,
-                       device: DeviceProfile) -> tuple[JointGraph, Split]:
+                       device: DeviceProfile, staged: bool) -> tuple[JointGraph, Split]:
     """A byte budget no plan met with the scans cut at that budget: the scans took their
     share before the rest of the step was planned. Each scan at its lowest, then at its
     highest level, may still fit; else the error names the smallest peak of all three."""
@@ -74,7 +74,7 @@ def _other_scan_levels(unreachable: BudgetUnreachable, fwd: ForwardTrace, pertur
         rules = _scan_rules(strategy, level, device)
         if rules is None:
             break
-        graph = trace_joint(fwd, perturbed, has_ct, rules, device)
+        graph = trace_joint(fwd, perturbed, has_ct, rules, device, staged)
         try:
             return graph, partition(graph, strategy, budget)
         except BudgetUnreachable as e:
@@ -94,18 +94,20 @@ class Built:
 
 
 def build(fwd: ForwardTrace, perturbed: tuple[bool, ...], has_ct: tuple[bool, ...],
-          options: Snapshot) -> Built:
+          options: Snapshot, staged: bool = False) -> Built:
     """The joint graph of `fwd` for this choice of differentiated inputs and cotangents,
-    partitioned by the options' strategy and budget, its backward autocast."""
+    partitioned by the options' strategy and budget, its backward autocast; `staged`: the
+    forward and backward run as one program (traced under `jax.jit`), which the partitioner
+    plans for."""
     t0 = time.perf_counter()
     strategy, budget = options.partitioner, options.activation_memory_budget
     device = profile_of(fwd.in_avals)  # the arguments' devices: a compile-only target's too
-    graph = trace_joint(fwd, perturbed, has_ct, _scan_rules(strategy, budget, device), device)
+    graph = trace_joint(fwd, perturbed, has_ct, _scan_rules(strategy, budget, device), device, staged)
     t1 = time.perf_counter()
     try:
         sp = partition(graph, strategy, budget)
     except BudgetUnreachable as e:
-        graph, sp = _other_scan_levels(e, fwd, perturbed, has_ct, strategy, budget, device)
+        graph, sp = _other_scan_levels(e, fwd, perturbed, has_ct, strategy, budget, device, staged)
     t2 = time.perf_counter()
     mode = options.backward_pass_autocast
     sp, casts = autocast_backward(sp, fwd, mode)

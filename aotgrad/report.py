@@ -155,7 +155,7 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def explain(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None,
-            **kwargs: Any) -> Report:
+            under_jit: bool = False, **kwargs: Any) -> Report:
     """Builds (or reuses) the programs for `fn(*args, **kwargs)`, compiles them, and
     reports what the forward saves.
 
@@ -164,6 +164,10 @@ def explain(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None
         *args, **kwargs: its arguments, arrays or `jax.ShapeDtypeStruct`s.
         argnums: the positional arguments differentiated (as in `jax.grad` or
             `aotgrad.fwd_and_bwd`); by default every floating-point input.
+        under_jit: report the plan a step traced under `jax.jit` gets. Below budget 1 it is
+            planned as one program with its backward (XLA frees each saved value after its
+            last reader there), so it may save otherwise than a call run eagerly, the
+            default report. The memory figures are of the two programs compiled apart.
     """
     if isinstance(fn, AOTFunction) and hasattr(fn, "explain"):
         # a loaded export (`export.Exported`): no source, the report made when it was exported
@@ -174,7 +178,7 @@ def explain(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None
     if argnums is not None:
         who = f"aotgrad.explain({f.name})"
         perturbed = traced.entry.perturbed_for(argnum_positions(who, argnums, len(args)))
-    pair = traced.pair(perturbed=perturbed)
+    pair = traced.pair(perturbed=perturbed, under_jit=under_jit)
     compiled = Lowered(f.name, pair, *pair.lower(traced.inputs)).compile()
     return report_of(traced, pair, compiled.timings, Memory.of(compiled))
 

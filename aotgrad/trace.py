@@ -80,14 +80,16 @@ def differentiable(aval: Any) -> bool:
 
 
 def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[bool],
-                rules: dict | None = None, device: DeviceProfile | None = None) -> JointGraph:
+                rules: dict | None = None, device: DeviceProfile | None = None,
+                staged: bool = False) -> JointGraph:
     """Traces (inputs..., cotangents...) -> (outputs..., cotangents of perturbed inputs...).
 
     `perturbed[i]`: input i is differentiated. `has_ct[j]`: output j receives a cotangent
     (the others, integer outputs and auxiliary data, get zero cotangents). `rules`
     re-bind forward equations before differentiation (scan bodies cut on their own,
     `partition.scan`). Every equation carries the sequence number of the forward
-    equation it comes from (`provenance`).
+    equation it comes from (`provenance`). `device` and `staged`: what the programs are
+    built for and whether they run as one (`JointGraph`).
     """
     in_avals = list(fwd.in_avals)
     diff_pos = [i for i, p in enumerate(perturbed) if p]
@@ -113,7 +115,8 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
     # Inline nested jit / closed_call so the partitioner sees every primitive.
     inlined = jax.make_jaxpr(lambda *xs: eval_jaxpr(closed.jaxpr, closed.consts, xs, INLINE_RULES))(
         *in_avals, *ct_avals)
-    return JointGraph(inlined, n_inputs=len(in_avals), n_outs=len(fwd.out_avals), device=device)
+    return JointGraph(inlined, n_inputs=len(in_avals), n_outs=len(fwd.out_avals), device=device,
+                      staged=staged)
 
 
 def trace_body_joint(closed: ClosedJaxpr, avals: Sequence[Any], device: DeviceProfile | None = None) -> JointGraph:

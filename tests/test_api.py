@@ -66,6 +66,33 @@ def test_grad_builds_one_pair_and_reuses_it():
     assert_trees_close(g2, jax.grad(_mlp)(_params(1), X))
 
 
+@pytest.mark.parametrize("budget, staged", [(1.0, [False]), (0.5, [False, True]), ("1MB", [False, True])])
+def test_a_jitted_step_below_budget_one_gets_a_plan_of_its_own(budget, staged, caplog):
+    """Below budget 1 a step traced under `jax.jit` is planned as one program (its saved
+    values freed at their last reader), an eager call as two: each gets a pair of its own,
+    keyed `staged`, and both compute JAX's gradients. At budget 1 both are the fused step's
+    plan: one pair. An eager `vmap` of the gradient runs the programs apart (no new pair);
+    a jitted one is staged (the jitted pair again)."""
+    with aotgrad.config.patch(activation_memory_budget=budget, log_recompiles=True):
+        f = aotgrad.compile(_mlp)
+        eager = jax.grad(f)(_params(), X)
+        with caplog.at_level(logging.WARNING, logger="aotgrad"):
+            jitted = jax.jit(jax.grad(f))(_params(), X)
+        batch = jnp.stack([X, -X])
+        mapped = jax.vmap(jax.grad(f), in_axes=(None, 0))(_params(), batch)
+        mapped_jit = jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0)))(_params(), batch)
+        pairs = _traced(f, _params(), X).pairs
+    want = jax.grad(_mlp)(_params(), X)
+    assert_trees_close(eager, want)
+    assert_trees_close(jitted, want)
+    want_mapped = jax.vmap(jax.grad(_mlp), in_axes=(None, 0))(_params(), batch)
+    assert_trees_close(mapped, want_mapped)
+    assert_trees_close(mapped_jit, want_mapped)
+    assert sorted(k[2] for k in pairs) == staged
+    assert all(p.staged == k[2] and p.graph.staged == k[2] for k, p in pairs.items())
+    assert ("traced under jax.jit" in caplog.text) == (len(staged) == 2), caplog.text
+
+
 def test_backward_only_computes_requested_gradients():
     f = aotgrad.compile(_mlp)
     gx = jax.grad(f, argnums=1)(_params(), X)
@@ -197,7 +224,7 @@ def test_trace_is_the_entry_of_its_arguments():
     pair = traced.pair(1)
     assert traced.pair(perturbed=(False, False, False, True)) is pair
     jax.grad(f, argnums=1)(_params(), X)  # finds the pair `trace` built
-    assert f.cache_info().pairs == 1 and traced.pairs == {(pair.perturbed, pair.has_ct): pair}
+    assert f.cache_info().pairs == 1 and traced.pairs == {(pair.perturbed, pair.has_ct, False): pair}
     # Another signature has another entry; these arguments find theirs again.
     other = f.trace(_params(), X[:2])
     assert other.entry is not traced.entry and other.inputs[-1].shape == (2, 6)

@@ -43,9 +43,12 @@ class Traced:
         return self.entry.layout.n_args
 
     @property
-    def pairs(self) -> dict[tuple[tuple[bool, ...], tuple[bool, ...]], Pair]:
+    def pairs(self) -> dict[tuple[tuple[bool, ...], tuple[bool, ...], bool], Pair]:
         """The program pairs built so far (by calls, `fwd_and_bwd`, `pair`), by their pattern
-        (perturbed, has_ct): which inputs are differentiated, which outputs take a cotangent."""
+        (perturbed, has_ct, staged): which inputs are differentiated, which outputs take a
+        cotangent, and whether the pair is for a step traced under `jax.jit`: below budget 1
+        such a step is planned as one program with its backward, so it may save otherwise
+        than the eager pair `pair()`, `lower` and `explain` show."""
         return dict(self.entry.pairs)
 
     def perturbed(self, argnums: int | Sequence[int] | None = None) -> tuple[bool, ...]:
@@ -58,13 +61,15 @@ class Traced:
         return self.entry.perturbed_for(positions)
 
     def pair(self, argnums: int | Sequence[int] | None = None, *,
-             perturbed: Sequence[bool] | None = None) -> Pair:
+             perturbed: Sequence[bool] | None = None, under_jit: bool = False) -> Pair:
         """The program pair that differentiates `argnums` (see `perturbed`), or the inputs
         `perturbed` marks, with a cotangent for every floating-point output; built on first
-        use, then the one calls and `fwd_and_bwd` use too."""
+        use, then the one calls and `fwd_and_bwd` use too. `under_jit`: the pair a step
+        traced under `jax.jit` uses (below budget 1, planned as one program with its
+        backward; see `pairs`)."""
         if perturbed is None:
             perturbed = self.perturbed(argnums)
-        return self.entry.pair(tuple(perturbed), self.entry.default_has_ct())
+        return self.entry.pair(tuple(perturbed), self.entry.default_has_ct(), under_jit)
 
     def lower(self, argnums: int | Sequence[int] | None = None) -> "Lowered":
         """Lowers the forward and backward programs of `pair(argnums)` for these inputs."""

@@ -113,8 +113,9 @@ class LoadedPair:
 
 
 def _pair(programs: LoadedPrograms, entry: Entry, perturbed: tuple[bool, ...],
-          has_ct: tuple[bool, ...]) -> LoadedPair:
-    """The loaded pair of a pattern (an `entry.PairMaker`); asking for a gradient the export
+          has_ct: tuple[bool, ...], staged: bool) -> LoadedPair:
+    """The loaded pair of a pattern (an `entry.PairMaker`; the exported programs serve a
+    step under `jax.jit` too: `staged` is never asked for); asking for a gradient the export
     does not compute is an error that names the arguments."""
     n, paths = len(entry.fwd.consts), entry.layout.paths
     extra = [paths[i - n] for i, (p, q) in enumerate(zip(perturbed, programs.perturbed, strict=True))

@@ -11,14 +11,14 @@ from typing import Callable, Mapping
 
 from jax.extend.core import Var
 
-from aotgrad.partition.budget import Budget
+from aotgrad.partition.budget import Budget, Bytes
 from aotgrad.partition.vjp import save_what_backward_reads
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import min_cut
 from aotgrad.partition.scan import BodyTrace, partition_scans
 from aotgrad.partition.split import Split, split, without_cotangents
 
-__all__ = ["PARTITIONERS", "JointGraph", "Registration", "Split", "partition", "partitioners",
+__all__ = ["PARTITIONERS", "JointGraph", "Registration", "Split", "partition", "partitioners", "plans_staged",
            "register_partitioner", "scan_rules", "split", "without_cotangents"]
 
 # (graph, activation_memory_budget) -> {saved value: reason}
@@ -68,6 +68,16 @@ def register_partitioner(name: str, strategy: Strategy, *, cuts_scan_bodies: boo
 def partitioners() -> tuple[str, ...]:
     """The registered partitioners' names, in registration order."""
     return tuple(_REGISTERED)
+
+
+def plans_staged(strategy: str, budget: Budget) -> bool:
+    """Whether `strategy` at `budget` may plan a step traced under `jax.jit` (one program,
+    `JointGraph.staged`) otherwise than one run eagerly (two programs). "vjp" and "min_cut"
+    at budget 1 never do; "min_cut" below 1 or in bytes weighs the step's estimated peak,
+    which differs; a registered strategy may read `graph.staged`, so it is asked for both."""
+    if strategy == "vjp":
+        return False
+    return strategy != "min_cut" or isinstance(budget, Bytes) or budget < 1.0
 
 
 def partition(graph: JointGraph, strategy: str, budget: Budget = 1.0) -> Split:

@@ -31,12 +31,12 @@ The candidates:
   (`boundaries.head`; every point where there are too few for that), on devices where
   that was measured to pay (`DeviceProfile.keeps_loss_head`: GPUs): each block
   checkpointed once, the logits kept rather than recomputed, as `jax.checkpoint` on each
-  layer leaves them. The estimate charges the saved head for the whole backward, as it is
-  where the backward is a program of its own; in a jitted step XLA frees it once the
-  head's gradient is made. Where the head's backward is the step's peak that costs
-  nothing (GPT-2 small on an H100: budget 0 keeps the head, 4.15 GB against 4.17 without
-  it, at 0.93x the FLOPs; docs/benchmarks.md); where a layer's backward is, these cuts
-  are estimated above budget 0's, and a budget between can peak higher in a jitted step.
+  layer leaves them. Where the backward is a program of its own (an eager call), the
+  saved head is held for the whole backward; in a jitted step (`JointGraph.staged`) XLA
+  frees it once the head's gradient is made, and so does the estimate. GPT-2 small on an
+  H100: budget 0 keeps the head, 4.15 GB against 4.17 without it, at 0.93x the FLOPs; a
+  GPT with D=1024, whose peak is in a layer's backward, keeps it at budget 0 only in a
+  jitted step (docs/benchmarks.md).
   (With every point free as well as the head, 8 data-parallel H100s peaked 1.4x higher.)
 
 A budget in bytes (`Bytes`, "12GB") is the limit itself: the cheapest candidate whose
@@ -205,7 +205,7 @@ def _with_boundaries(problem: Problem, relaxed: np.ndarray, stacked: bool = Fals
 def _step_peak(cut: Cut) -> int:
     """The step's estimated peak (`peak.py`) when `cut` is saved."""
     graph = cut.problem.graph
-    return estimate(graph, cut.saved, recompute_late(graph, cut.backward_eqns)).step
+    return estimate(graph, cut.saved, recompute_late(graph, cut.backward_eqns))
 
 
 @dataclasses.dataclass(frozen=True)

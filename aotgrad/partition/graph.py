@@ -24,6 +24,9 @@ class JointGraph:
     n_inputs: int  # leading invars: the function's inputs (closed-over constants first)
     n_outs: int  # leading outvars: the function's outputs; the rest are input cotangents
     device: DeviceProfile | None = None  # what the programs are built for (None: not known)
+    # The forward and backward run as one program: the step was traced under `jax.jit`,
+    # where XLA frees each saved value after its last reader in the backward.
+    staged: bool = False
 
     @property
     def eqns(self) -> list[JaxprEqn]:

@@ -1,7 +1,7 @@
 """An estimate of a saved set's step peak, for choosing between cuts before compiling.
 
-Each program's peak is estimated as XLA's `memory_analysis()` adds it up: its arguments
-and outputs, plus the largest total of temporaries live at once, running the equations in
+A program's peak is estimated as XLA's `memory_analysis()` adds it up: its arguments and
+outputs, plus the largest total of temporaries live at once, running the equations in
 the order the program is emitted: the backward's recomputation just before its first use
 where `schedule.tie` holds it there, and at the backward's start where nothing does (XLA
 starts independent work early). A temporary is counted only if XLA would write it to
@@ -9,11 +9,15 @@ memory: not an elementwise value read by one elementwise equation or one reducti
 fuses into it (a value with two readers is written: XLA keeps a batch norm's centred input,
 say, for its backward), and not beside an operand whose buffer it takes: an elementwise
 result writes over a same-sized operand read for the last time, a scatter or an update
-in place over its first operand. The step's peak is the larger of the two programs'.
+in place over its first operand.
+
+Which programs: a call run as it comes (eagerly) runs the forward and the backward as two
+programs, and the step's peak is the larger of theirs, the saved values arguments of the
+whole backward. A step traced under `jax.jit` (`JointGraph.staged`) is one program, the
+forward then the backward, where each saved value is freed after its last reader.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterable, Sequence
 
 from jax.extend.core import JaxprEqn, Var
@@ -22,35 +26,30 @@ from aotgrad.partition import costs, schedule
 from aotgrad.partition.graph import JointGraph, live_eqns
 from aotgrad.partition.rules import IN_PLACE, Kind, kind_of
 
-__all__ = ["Peak", "estimate"]
+__all__ = ["estimate"]
 
 _FUSED = (Kind.CHEAP, Kind.MOVE)
 _READ_FUSED = _FUSED + (Kind.REDUCE,)  # readers a single elementwise producer fuses into
 
-
-@dataclasses.dataclass(frozen=True)
-class Peak:
-    forward: int
-    backward: int
-
-    @property
-    def step(self) -> int:
-        return max(self.forward, self.backward)
+Value = tuple[Var, int]  # a variable as bound by one equation (its index; -1: an argument)
 
 
-def estimate(graph: JointGraph, saved: Iterable[Var], backward_order: Sequence[int]) -> Peak:
-    """The estimated peaks of the programs that save `saved` (joint values, inputs among
-    them); `backward_order`: the backward's equations (joint indices) in emitted order."""
+def estimate(graph: JointGraph, saved: Iterable[Var], backward_order: Sequence[int]) -> int:
+    """The estimated step peak of the programs that save `saved` (joint values, inputs
+    among them); `backward_order`: the backward's equations (joint indices) in emitted
+    order."""
     saved = list(saved)
     inputs = set(graph.inputs)
     consts = set(graph.closed.jaxpr.constvars)
     activations = [v for v in saved if v not in inputs]
     fwd_idx, _ = live_eqns(graph.eqns, list(graph.outputs) + activations, inputs | consts)
-    forward = _program_peak([graph.eqns[i] for i in fwd_idx], list(graph.inputs),
-                            list(graph.outputs) + activations)
-    backward = _program_peak(_untied_first(graph, [graph.eqns[i] for i in backward_order]),
-                             saved + list(graph.cotangents), list(graph.grads))
-    return Peak(forward, backward)
+    forward = [graph.eqns[i] for i in fwd_idx]
+    backward = _untied_first(graph, [graph.eqns[i] for i in backward_order])
+    if graph.staged:
+        return _program_peak(forward + backward, list(graph.inputs) + list(graph.cotangents),
+                             list(graph.outputs) + list(graph.grads))
+    return max(_program_peak(forward, list(graph.inputs), list(graph.outputs) + activations),
+               _program_peak(backward, saved + list(graph.cotangents), list(graph.grads)))
 
 
 def _untied_first(graph: JointGraph, eqns: list[JaxprEqn]) -> list[JaxprEqn]:
@@ -74,32 +73,38 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list) -> int:
     """Arguments + outputs + the most temporaries live at once, running `eqns` in order.
     A result takes the buffer of an operand read for the last time by the same equation
     where XLA reuses it: an elementwise result of the operand's size (a fused loop writes
-    over its input), an update in place (`IN_PLACE`) over its first operand."""
+    over its input), an update in place (`IN_PLACE`) over its first operand. A variable
+    bound twice (a forward value the backward recomputes, in one program) is two buffers."""
     arg_set = set(args)
     out_set = {v for v in outs if isinstance(v, Var)}
     fixed = sum(costs.nbytes(v.aval) for v in arg_set) + \
         sum(costs.nbytes(v.aval) for v in out_set - arg_set)
     kinds = [kind_of(e) for e in eqns]
-    last: dict[Var, int] = {}
-    written: set[Var] = set()
+    bound: dict[Var, int] = {}  # each variable's binding in force
+    reads: list[list[Value]] = []  # each equation's operands, once each
+    last: dict[Value, int] = {}
+    written: set[Value] = set()
     for i, e in enumerate(eqns):
         reader_fuses = kinds[i] in _READ_FUSED
-        for v in e.invars:
-            if isinstance(v, Var):
-                if not reader_fuses or v in last:  # a second reader: XLA writes it
-                    written.add(v)
-                last[v] = i
-    held: dict[Var, int] = {}  # temporaries in memory: their bytes
-    frees: dict[int, list[Var]] = {}
+        ins = [(v, bound.get(v, -1)) for v in e.invars if isinstance(v, Var)]
+        for u in ins:
+            if not reader_fuses or u in last:  # a second reader: XLA writes it
+                written.add(u)
+            last[u] = i
+        reads.append(list(dict.fromkeys(ins)))
+        bound.update((v, i) for v in e.outvars if isinstance(v, Var))
+    held: dict[Value, int] = {}  # temporaries in memory: their bytes
+    frees: dict[int, list[Value]] = {}
     live = peak = 0
     for i, e in enumerate(eqns):
         made_fuses = kinds[i] in _FUSED
-        dying = dict.fromkeys(v for v in e.invars if isinstance(v, Var) and v in held and last[v] == i)
-        reusable = _reusable(e, kinds[i], list(dying))
+        dying = [u for u in reads[i] if u in held and last[u] == i]
+        reusable = _reusable(e, kinds[i], dying)
         for v in e.outvars:
             if not isinstance(v, Var) or v in out_set or v in arg_set:
                 continue
-            if made_fuses and v not in written:
+            made = (v, i)
+            if made_fuses and made not in written:
                 continue
             b = costs.nbytes(v.aval)
             taken = next((u for u in reusable if held[u] == b), None)
@@ -109,16 +114,16 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list) -> int:
                 del held[taken]
             else:
                 live += b
-            held[v] = b
-            frees.setdefault(last.get(v, i), []).append(v)  # after its last reader, or at once
+            held[made] = b
+            frees.setdefault(last.get(made, i), []).append(made)  # after its last reader, or at once
         peak = max(peak, live)
-        for v in frees.pop(i, ()):
-            live -= held.pop(v)
+        for u in frees.pop(i, ()):
+            live -= held.pop(u)
     return fixed + peak
 
 
-def _reusable(eqn: JaxprEqn, kind: Kind, dying: list[Var]) -> list[Var]:
+def _reusable(eqn: JaxprEqn, kind: Kind, dying: list[Value]) -> list[Value]:
     """The operands read for the last time by `eqn` whose buffers its result may take."""
     if eqn.primitive in IN_PLACE:
-        return [v for v in dying if v is eqn.invars[0]]
+        return [u for u in dying if u[0] is eqn.invars[0]]
     return dying if kind is Kind.CHEAP else []
