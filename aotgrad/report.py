@@ -91,6 +91,10 @@ class Report:
     # The device profile the programs were decided for (`aotgrad.devices`: "cpu", "h100",
     # ...): the arguments' devices, a compile-only target's included; None for a loaded export.
     device: str | None = None
+    # Planned for a step traced under `jax.jit`: one program with its backward, where XLA
+    # frees each saved value after its last reader (`explain(..., under_jit=True)` below
+    # budget 1); False: for a call run eagerly, or the same plan either way.
+    under_jit: bool = False
 
     def __str__(self) -> str:
         rows = [("#", "shape", "dtype", "bytes", "kind", "produced by", "source", "why")]
@@ -98,7 +102,9 @@ class Report:
             rows.append((str(i), str(list(s.shape)), s.dtype, f"{s.nbytes:,}",
                          "input" if s.is_input else "activation", s.primitive, s.source, s.reason))
         device = f", device={self.device!r}" if self.device is not None else ""
-        lines = [f"aotgrad.explain({self.function}), partitioner={self.partitioner!r}{device}", *_table(rows)]
+        planned = ", planned for a step under jax.jit" if self.under_jit else ""
+        lines = [f"aotgrad.explain({self.function}), partitioner={self.partitioner!r}{device}{planned}",
+                 *_table(rows)]
         lines.append(f"saved activations: {_mb(self.saved_bytes)} in "
                      f"{sum(not s.is_input for s in self.saved)} arrays; saved inputs: "
                      f"{_mb(self.saved_input_bytes)} in {sum(s.is_input for s in self.saved)} arrays")
@@ -208,4 +214,5 @@ def report_of(traced: Traced, pair: Pair, timings: Timings, memory: Memory | Non
         scan_segments=segment_schedules(sp.forward.jaxpr), timings=timings, casts=pair.casts, memory=memory,
         fallback_rules=tuple((name, FALLBACK.value) for name in without_rule([pair.graph.closed.jaxpr])),
         device=pair.graph.device.name if pair.graph.device is not None else None,
+        under_jit=pair.graph.staged,
         backward_by_op=backward_costs(sp.backward.jaxpr, len(pair.graph.cotangents)) if costs else None)

@@ -82,6 +82,8 @@ def test_a_jitted_step_below_budget_one_gets_a_plan_of_its_own(budget, staged, c
         mapped = jax.vmap(jax.grad(f), in_axes=(None, 0))(_params(), batch)
         mapped_jit = jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0)))(_params(), batch)
         pairs = _traced(f, _params(), X).pairs
+        eager_report = aotgrad.explain(f, _params(), X)
+        jit_report = aotgrad.explain(f, _params(), X, under_jit=True)
     want = jax.grad(_mlp)(_params(), X)
     assert_trees_close(eager, want)
     assert_trees_close(jitted, want)
@@ -91,6 +93,10 @@ def test_a_jitted_step_below_budget_one_gets_a_plan_of_its_own(budget, staged, c
     assert sorted(k[2] for k in pairs) == staged
     assert all(p.staged == k[2] and p.graph.staged == k[2] for k, p in pairs.items())
     assert ("traced under jax.jit" in caplog.text) == (len(staged) == 2), caplog.text
+    # explain reports the jitted step's plan when asked, and says so
+    assert not eager_report.under_jit and "jax.jit" not in str(eager_report).splitlines()[0]
+    assert jit_report.under_jit == (len(staged) == 2)
+    assert ("planned for a step under jax.jit" in str(jit_report)) == (len(staged) == 2)
 
 
 def test_backward_only_computes_requested_gradients():
