@@ -118,7 +118,8 @@ class Entry:
     def pair(self, perturbed: tuple[bool, ...], has_ct: tuple[bool, ...], staged: bool = False) -> Pair:
         """The program pair for this differentiation pattern, made on first use; `staged`:
         for a step traced under `jax.jit` (the same pair as an eager call's unless
-        `by_staging`). Stages, `explain` and `fwd_and_bwd` run two programs: not staged."""
+        `by_staging`): the `custom_vjp` forward asks for it when staging, and
+        `Traced.pair` / `explain` with `under_jit`; `fwd_and_bwd` runs two programs."""
         key = (perturbed, has_ct, staged and self.by_staging)
         pair = self.pairs.get(key)
         if pair is None:

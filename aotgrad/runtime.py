@@ -93,7 +93,6 @@ class ProgramPair:
     casts: CastCounts = CastCounts()  # casts autocast inserted, forward and backward
     donate_saved: bool = False  # the backward takes ownership of the saved activations
     detect_anomaly: bool = False  # the backward also reports where a NaN/Inf first appeared
-    staged: bool = False  # planned for a step traced under jax.jit (one program with its backward)
     # the split with its backward rewritten under config.backward_pass_autocast
     autocast: Callable[[Split], Split] = lambda sp: sp
 
@@ -117,8 +116,12 @@ class ProgramPair:
         built = pipeline.build(fwd, perturbed, has_ct, options, staged)
         return cls(owner, perturbed, has_ct, built.graph, built.split,
                    Timings(trace=built.trace_s, partition=built.partition_s), tuple(fwd.in_avals),
-                   options.partitioner, built.casts, options.donate_saved, options.detect_anomaly, staged,
-                   built.autocast)
+                   options.partitioner, built.casts, options.donate_saved, options.detect_anomaly, built.autocast)
+
+    @property
+    def staged(self) -> bool:
+        """Planned for a step traced under `jax.jit` (one program with its backward)."""
+        return self.graph.staged
 
     def backward_without(self, present: tuple[bool, ...]) -> Any:
         """The backward program's jaxpr taking only the cotangents marked present: every

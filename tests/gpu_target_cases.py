@@ -58,8 +58,7 @@ def cheapest_cut():
     from aotgrad.partition.min_cut import Problem
 
     def strategy(graph, budget):
-        device = graph.device
-        return Problem.of(graph, device is not None and device.matmul_operands_cost).cheapest_cut().reasons()
+        return Problem.priced(graph).cheapest_cut().reasons()
     registration = aotgrad.register_partitioner("cheapest_cut", strategy)
     yield "cheapest_cut"
     registration.remove()

@@ -11,7 +11,7 @@ from typing import Callable, Mapping
 
 from jax.extend.core import Var
 
-from aotgrad.partition.budget import Budget, Bytes
+from aotgrad.partition.budget import Budget, is_fused_plan
 from aotgrad.partition.vjp import save_what_backward_reads
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import min_cut
@@ -77,7 +77,7 @@ def plans_staged(strategy: str, budget: Budget) -> bool:
     which differs; a registered strategy may read `graph.staged`, so it is asked for both."""
     if strategy == "vjp":
         return False
-    return strategy != "min_cut" or isinstance(budget, Bytes) or budget < 1.0
+    return strategy != "min_cut" or not is_fused_plan(budget)
 
 
 def partition(graph: JointGraph, strategy: str, budget: Budget = 1.0) -> Split:

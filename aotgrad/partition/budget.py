@@ -71,7 +71,7 @@ from aotgrad.partition.split import recompute_late
 if TYPE_CHECKING:  # min_cut imports scan, which imports scan_schedule from here
     from aotgrad.partition.min_cut import Cut, Problem
 
-__all__ = ["FUSED_REASON", "GREEDY_STEPS", "PRICES", "Budget", "Bytes", "Choice", "ScanSchedule", "choices", "ladder",
+__all__ = ["FUSED_REASON", "GREEDY_STEPS", "PRICES", "Budget", "Bytes", "Choice", "ScanSchedule", "choices", "is_fused_plan", "ladder",
            "parse_bytes", "scan_schedule", "within_budget"]
 
 
@@ -87,6 +87,11 @@ class Bytes:
 # A fraction in [0, 1]: 1 the fused step's plan, below it between the lowest and the
 # cheapest cut's estimated peak (see above). Or bytes.
 Budget = Union[float, Bytes]
+
+
+def is_fused_plan(budget: Budget) -> bool:
+    """Budget 1 (or above): the fused step's plan, chosen without weighing a peak estimate."""
+    return not isinstance(budget, Bytes) and budget >= 1.0
 
 _UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}

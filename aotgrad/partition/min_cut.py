@@ -22,7 +22,7 @@ from jax.extend.core import JaxprEqn, Var
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from aotgrad.partition import costs
-from aotgrad.partition.budget import FUSED_REASON, Budget, Bytes
+from aotgrad.partition.budget import FUSED_REASON, Budget, is_fused_plan
 from aotgrad.partition.graph import JointGraph, live_eqns
 from aotgrad.partition.rules import FLOAT_EQUALITY, Kind, kind_of
 from aotgrad.partition.scan import is_cut_scan
@@ -46,6 +46,15 @@ class Problem:
     written: np.ndarray  # per value: written to memory in the forward anyway (bool)
     operands: np.ndarray  # value positions a backward matmul (or other opaque equation) reads
     operands_cost: bool  # a recomputed one is written to memory and read back in the backward
+
+    @classmethod
+    def priced(cls, graph: JointGraph, stacked: bool = False) -> "Problem":
+        """The problem as "min_cut" prices it for the graph's device: a recomputed value a
+        backward matmul reads is charged its write and read where the device says so, but
+        not in a scan body (`stacked`), whose saved values are written into their stacks
+        anyway."""
+        device = graph.device
+        return cls.of(graph, device is not None and device.matmul_operands_cost and not stacked)
 
     @classmethod
     def of(cls, graph: JointGraph, operands_cost: bool = False) -> "Problem":
@@ -274,10 +283,8 @@ def min_cut(graph: JointGraph, budget: Budget = 1.0, stacked: bool = False) -> d
     """The "min_cut" strategy: the cheapest saved set in bytes moved; with a budget below
     1 or in bytes, a lower step peak at the least recompute cost (see `budget.py`).
     `stacked`: the graph is a scan body, whose saved set is held once per iteration."""
-    # A scan body's saved values are written into their stacks anyway: no extra charge there.
-    device = graph.device
-    problem = Problem.of(graph, device is not None and device.matmul_operands_cost and not stacked)
-    if not isinstance(budget, Bytes) and budget >= 1.0:
+    problem = Problem.priced(graph, stacked)
+    if is_fused_plan(budget):
         top = problem.top_cut(stacked)
         return top.reasons() if stacked else top.reasons(FUSED_REASON)
     from aotgrad.partition.budget import within_budget
