@@ -39,7 +39,7 @@ from typing import Any, Iterable
 
 import jax
 
-__all__ = ["PROFILES", "DeviceProfile", "profile_named", "profile_of"]
+__all__ = ["PROFILES", "DeviceProfile", "device_count_of", "profile_named", "profile_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +106,8 @@ def _device_of(x: Any) -> tuple[str, str] | None:
     """(platform, device kind) of the devices `x` is placed on (a concrete array, a
     ShapeDtypeStruct, an abstract value or a traced value, whose type's sharding names an
     abstract mesh's device); None where not placed."""
-    try:
-        sharding = x.sharding if not isinstance(x, jax.core.Tracer) else jax.typeof(x).sharding
-    except Exception:  # no sharding (a Python scalar), or none available on this value
+    sharding = _sharding_of(x)
+    if sharding is None:
         return None
     device = getattr(getattr(sharding, "mesh", None), "abstract_device", None)
     if device is not None:
@@ -119,6 +118,29 @@ def _device_of(x: Any) -> tuple[str, str] | None:
         return None
     d = next(iter(devices), None)
     return (d.platform, d.device_kind) if d is not None else None
+
+
+def _sharding_of(x: Any) -> Any:
+    try:
+        return x.sharding if not isinstance(x, jax.core.Tracer) else jax.typeof(x).sharding
+    except Exception:  # no sharding (a Python scalar), or none available on this value
+        return None
+
+
+def device_count_of(leaves: Iterable[Any]) -> int:
+    """How many devices the step runs on: the size of the mesh (or device set) of the
+    first placed leaf, else of the mesh in context, else 1."""
+    for x in leaves:
+        sharding = _sharding_of(x)
+        size = getattr(getattr(sharding, "mesh", None), "size", None)
+        if size is None and sharding is not None:
+            try:
+                size = len(sharding.device_set)
+            except (AttributeError, ValueError):  # an abstract mesh without devices
+                size = None
+        if size:
+            return int(size)
+    return max(1, int(jax.sharding.get_abstract_mesh().size or 1))
 
 
 def profile_of(leaves: Iterable[Any]) -> DeviceProfile:

@@ -132,15 +132,16 @@ _EXPLICIT = jax.sharding.AxisType.Explicit
 
 def aval_key(aval: Any) -> tuple:
     """(shape, dtype, weak_type), plus the sharding when it is part of the type (a mesh
-    with Explicit axes), plus the device when the type names one (a compile-only target's
-    mesh: programs are built for it), plus the varying manual axes inside `shard_map`."""
+    with Explicit axes), plus the device and the mesh's size when the type names a device
+    (a compile-only target's mesh: programs are built for it), plus the varying manual
+    axes inside `shard_map`."""
     base = (aval.shape, aval.dtype, aval.weak_type)
     sharding = getattr(aval, "sharding", None)
     if sharding is not None and _EXPLICIT in getattr(sharding.mesh, "axis_types", ()):
         base += (sharding,)
     device = getattr(getattr(sharding, "mesh", None), "abstract_device", None)
     if device is not None:
-        base += (device,)
+        base += (device, sharding.mesh.size)
     vma = getattr(aval, "vma", None)
     return base + (vma,) if vma else base
 

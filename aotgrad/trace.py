@@ -12,7 +12,7 @@ from jax.extend.core import ClosedJaxpr
 from jax.tree_util import tree_flatten
 
 from aotgrad._jax_internals import bind_eqn
-from aotgrad.devices import DeviceProfile
+from aotgrad.devices import DeviceProfile, device_count_of
 from aotgrad.interpret import INLINE_RULES, eval_jaxpr
 from aotgrad.partition.graph import JointGraph
 from aotgrad.provenance import numbered
@@ -116,7 +116,7 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
     inlined = jax.make_jaxpr(lambda *xs: eval_jaxpr(closed.jaxpr, closed.consts, xs, INLINE_RULES))(
         *in_avals, *ct_avals)
     return JointGraph(inlined, n_inputs=len(in_avals), n_outs=len(fwd.out_avals), device=device,
-                      staged=staged)
+                      staged=staged, devices=device_count_of(in_avals))
 
 
 def trace_body_joint(closed: ClosedJaxpr, avals: Sequence[Any], device: DeviceProfile | None = None) -> JointGraph:

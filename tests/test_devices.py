@@ -71,3 +71,15 @@ def test_explain_names_the_device_it_decided_for():
     assert report.device == "cpu" and "device='cpu'" in str(report).splitlines()[0]
     np.testing.assert_allclose(jax.grad(f)(jnp.ones((3, 2)), jnp.ones((4, 3))),
                                jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w)))(jnp.ones((3, 2)), jnp.ones((4, 3))))
+
+
+def test_the_device_count_is_the_first_placed_arguments_mesh():
+    """`device_count_of` (which decides whether recomputation waits for weight gradients,
+    `schedule._finished`): the mesh size of the first leaf that has one; a Python scalar
+    or an unplaced value says nothing; with none placed, 1 (the empty mesh in context)."""
+    from types import SimpleNamespace
+    eight = SimpleNamespace(sharding=SimpleNamespace(mesh=SimpleNamespace(size=8)))
+    assert devices.device_count_of([1.0, eight]) == 8
+    assert devices.device_count_of([jnp.ones(3), eight]) == 1  # one host device
+    assert devices.device_count_of([2.0]) == 1
+    assert devices.device_count_of([]) == 1

@@ -217,3 +217,39 @@ def test_the_backward_reads_the_waited_for_copy() -> None:
     assert len(barriers) >= L
     for name, n in barriers:
         assert re.search(rf"{re.escape(name)}#{int(n) - 1}\b", text), (name, n)
+
+
+def _barrier_operands(text: str) -> list[tuple[str, str]]:
+    """(the op that makes it, its type) for every operand of every barrier in `text`."""
+    out = []
+    for func in text.split("func.func")[1:]:
+        made = dict(re.findall(r"(%[\w#:]+) = (?:\"?)([\w.]+)", func))
+        for operands, types in re.findall(r"stablehlo.optimization_barrier (.*) : (.*)", func):
+            out += zip([made.get(x, "argument") for x in operands.split(", ")],
+                       re.findall(r"tensor<([^>]*)>", types), strict=False)
+    return out
+
+
+@pytest.mark.parametrize("devices", [8, 1])
+def test_a_group_waits_for_the_weight_gradient_that_ends_an_earlier_groups_values(monkeypatch, devices) -> None:
+    """On several devices, a weight gradient's matmul that reads a recomputed activation
+    last (dW = h^T g) passes through the next group's barrier: the next layer's
+    recomputation waits for it. Else XLA ran the weight gradients at the step's end,
+    beside the collective that sums them over devices, and held their recomputed operands
+    meanwhile (8 data-parallel H100s held every layer's recomputed attention
+    probabilities: docs/benchmarks.md). On one device there is no such collective and no
+    barrier holds a weight gradient. Lowered for a GPU; no GPU or plugin needed. The
+    gradients through those barriers (on this CPU) are JAX's."""
+    import aotgrad.trace
+    monkeypatch.setattr(aotgrad.trace, "device_count_of", lambda leaves: devices)
+    with aotgrad.config.patch(activation_memory_budget=0.0):
+        step = jax.jit(jax.grad(aotgrad.compile(relu_stack)))
+        text = step.trace(_params()).lower(lowering_platforms=("cuda",)).as_text()
+    held = _barrier_operands(text)
+    assert held
+    weight_grads = [t for op, t in held if op == "stablehlo.dot_general" and t == f"{D}x{D}xf32"]
+    assert (len(weight_grads) >= L - 2) if devices > 1 else not weight_grads, held
+    monkeypatch.setattr(schedule, "tie_by_data", lambda: False)  # barriers on this CPU too
+    with aotgrad.config.patch(activation_memory_budget=0.0):
+        got = jax.jit(jax.grad(aotgrad.compile(relu_stack)))(_params())
+    jax.tree.map(_close, got, jax.grad(relu_stack)(_params()))

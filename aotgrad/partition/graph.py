@@ -27,6 +27,9 @@ class JointGraph:
     # The forward and backward run as one program: the step was traced under `jax.jit`,
     # where XLA frees each saved value after its last reader in the backward.
     staged: bool = False
+    # Devices the step runs on (its arguments' mesh): with several, collectives sum the
+    # weight gradients, and the backward's recomputation waits for them (`schedule.py`).
+    devices: int = 1
 
     @property
     def eqns(self) -> list[JaxprEqn]:

@@ -12,8 +12,15 @@ same equation C; it waits for the latest-computed backward value C reads (or the
 value that one is broadcast from: `_smallest_source`), unless all it does is reshape (a
 view: the reshapes of a scan's stacked weights are free early, while a tie would copy the
 weights). Groups come from the graph, not from annotations.
+With several devices, a group that waits through a barrier also waits for the weight
+gradients that read an earlier group's recomputed values last (`_finished`): a weight
+gradient is needed only by the collective that sums it over the devices, and XLA:GPU ran
+them all at the step's end, beside that collective, holding every layer's recomputed
+operands until then. (The wait also makes each layer's collective run before the next
+layer's recomputation rather than in one at the end.)
 Waiting cannot form a cycle: that value is computed before C by equations that do not
-read C's group (C is its first consumer). The group's members are contiguous in
+read C's group (C is its first consumer), and each weight gradient waited for comes
+before the group in the backward's order. The group's members are contiguous in
 `recompute_late`'s order, ending just before C.
 
 How a group waits depends on the platform the program is lowered for (not the host's
@@ -68,11 +75,14 @@ class Group:
     # Backward equations from `after` to the value C reads, which `tie` evaluates again on
     # the waited-for copy of `after` (a broadcast of it, say).
     chain: tuple[JaxprEqn, ...] = ()
+    # Matmul results that end an earlier group's recomputed values (see `_finished`).
+    finished: tuple[Var, ...] = ()
 
 
-def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var]) -> tuple[Group, ...]:
+def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var], collectives: bool = False) -> tuple[Group, ...]:
     """The groups of `eqns` (the backward's equations in order; `backward` holds the
-    cotangent-dependent values) that have something to wait for."""
+    cotangent-dependent values) that have something to wait for. `collectives`: the step
+    runs on several devices, where groups also wait for weight gradients (`_finished`)."""
     position = {v: i for i, e in enumerate(eqns) for v in e.outvars if isinstance(v, Var)}
     is_bwd = [any(isinstance(v, Var) and v in backward for v in e.invars) for e in eqns]
     readers: list[list[int]] = [[] for _ in eqns]
@@ -90,6 +100,8 @@ def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var]) -> tuple[Group, ...
         if c is not None:
             members.setdefault(c, []).append(i)
     groups = []
+    ends = _finished(eqns, is_bwd, readers) if collectives else [[] for _ in eqns]
+    previous = 0
     for c, group in sorted(members.items()):
         after = _latest_backward_input(eqns[c], position, backward)
         chain: list[JaxprEqn] = []
@@ -103,8 +115,28 @@ def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var]) -> tuple[Group, ...
         inputs = tuple(dict.fromkeys(v for i in group for v in eqns[i].invars
                                      if isinstance(v, Var) and v not in inside))
         saved = tuple(v not in position for v in inputs)  # not computed by the backward
-        groups.append(Group(min(group), max(group) + 1, inputs, saved, after, tuple(chain)))
+        finished = ()
+        if any(saved):  # only a group with saved inputs waits through a barrier
+            finished = tuple(v for i in range(previous, min(group)) for v in ends[i])
+            previous = min(group)
+        groups.append(Group(min(group), max(group) + 1, inputs, saved, after, tuple(chain), finished))
     return tuple(groups)
+
+
+def _finished(eqns: Sequence[JaxprEqn], is_bwd: list[bool], readers: list[list[int]]) -> list[list[Var]]:
+    """Per equation, its outputs if it is a backward matmul that is the last reader of a
+    recomputed value (a weight gradient's matmul reading a recomputed activation). A
+    later group waits for them too: else XLA may run a weight gradient late, next to the
+    collective that sums it over devices, and hold its recomputed operand meanwhile (8
+    data-parallel H100s held every layer's recomputed attention probabilities)."""
+    ends: list[list[Var]] = [[] for _ in eqns]
+    for i, e in enumerate(eqns):
+        if is_bwd[i] or not readers[i]:
+            continue
+        last = max(readers[i])
+        if is_bwd[last] and kind_of(eqns[last]) is Kind.COSTLY:
+            ends[last] = [v for v in eqns[last].outvars if isinstance(v, Var) and _floating(v.aval)]
+    return ends
 
 
 def _latest_backward_input(eqn: JaxprEqn, position: dict[Var, int],
@@ -152,36 +184,41 @@ def tie(groups: Sequence[Group], by_data: bool) -> Callable[[int, dict], None]:
             return
         restore[group.stop] = {v: env[v] for v in group.inputs}
         values, after = [env[v] for v in group.inputs], env[group.after]
+        finished = [env[v] for v in group.finished]
         barrier = functools.partial(_tie_by_barrier, saved=group.saved)
         if by_data:  # the data tie where the program is lowered for a CPU, else the barrier
-            tied, after = jax.lax.platform_dependent(values, after, cpu=_tie_by_data, default=barrier)
+            tied, after, finished = jax.lax.platform_dependent(values, after, finished, cpu=_tie_by_data,
+                                                               default=barrier)
         else:
-            tied, after = barrier(values, after)
+            tied, after, finished = barrier(values, after, finished)
         env.update(zip(group.inputs, tied, strict=True))
-        # The backward reads on from the waited-for copy: a barrier output nothing reads is
+        # The backward reads on from the waited-for copies: a barrier output nothing reads is
         # dropped by XLA, and with it the wait (XLA:GPU then ran every layer's
         # recomputation at the backward's start).
         env[group.after] = after
+        env.update(zip(group.finished, finished, strict=True))
         for eqn in group.chain:
             outs = bind_eqn(eqn, [read(env, v) for v in eqn.invars])
             env.update((v, x) for v, x in zip(eqn.outvars, outs, strict=True) if isinstance(v, Var))
     return before
 
 
-def _tie_by_barrier(values: list, after: Any, saved: Sequence[bool]) -> tuple[list, Any]:
+def _tie_by_barrier(values: list, after: Any, finished: list, saved: Sequence[bool]) -> tuple[list, Any, list]:
     """Only saved values pass through the barrier: a value an earlier group recomputed
     waits already, and a barrier on it would make XLA write it to memory between two
-    fusions (on a GPU, a GPT's step moved 1.28x the fused step's bytes, 1.13x without)."""
+    fusions (on a GPU, a GPT's step moved 1.28x the fused step's bytes, 1.13x without).
+    `finished` (matmul results, in memory anyway) pass through too: the group waits for them."""
     if not any(saved):
-        return list(values), after
-    *held, after = jax.lax.optimization_barrier([*(x for x, s in zip(values, saved, strict=True) if s), after])
-    held = iter(held)
-    return [next(held) if s else x for x, s in zip(values, saved, strict=True)], after
+        return list(values), after, list(finished)
+    held = [x for x, s in zip(values, saved, strict=True) if s]
+    *out, after = jax.lax.optimization_barrier([*held, *finished, after])
+    held, finished = iter(out[:len(held)]), out[len(held):]
+    return [next(held) if s else x for x, s in zip(values, saved, strict=True)], after, finished
 
 
-def _tie_by_data(values: list, after: Any) -> tuple[list, Any]:
+def _tie_by_data(values: list, after: Any, finished: list) -> tuple[list, Any, list]:
     zero = _zero_from(after)
-    return [x - zero.astype(x.dtype) if _floating(x) else x for x in values], after
+    return [x - zero.astype(x.dtype) if _floating(x) else x for x in values], after, list(finished)
 
 
 def tie_by_data() -> bool:
