@@ -78,8 +78,8 @@ from aotgrad.partition.split import recompute_late
 if TYPE_CHECKING:  # min_cut imports scan, which imports scan_schedule from here
     from aotgrad.partition.min_cut import Cut, Problem
 
-__all__ = ["FUSED_REASON", "GREEDY_STEPS", "PRICES", "Budget", "Bytes", "Choice", "ScanSchedule", "choices", "is_fused_plan", "ladder", "matmul_outputs",
-           "parse_bytes", "scan_schedule", "within_budget"]
+__all__ = ["FUSED_REASON", "GREEDY_STEPS", "PRICES", "Budget", "Bytes", "Choice", "ScanSchedule", "choices",
+           "is_fused_plan", "ladder", "matmul_outputs", "parse_bytes", "scan_schedule", "within_budget"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,11 +75,13 @@ class Group:
     # Backward equations from `after` to the value C reads, which `tie` evaluates again on
     # the waited-for copy of `after` (a broadcast of it, say).
     chain: tuple[JaxprEqn, ...] = ()
-    # Matmul results that end an earlier group's recomputed values (see `_finished`).
+    # Weight gradients (matmul results) that end an earlier group's recomputed values:
+    # with several devices the group waits for them too (`_finished`).
     finished: tuple[Var, ...] = ()
 
 
-def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var], collectives: bool = False) -> tuple[Group, ...]:
+def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var],
+         collectives: bool = False) -> tuple[Group, ...]:
     """The groups of `eqns` (the backward's equations in order; `backward` holds the
     cotangent-dependent values) that have something to wait for. `collectives`: the step
     runs on several devices, where groups also wait for weight gradients (`_finished`)."""
@@ -116,7 +118,7 @@ def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var], collectives: bool =
                                      if isinstance(v, Var) and v not in inside))
         saved = tuple(v not in position for v in inputs)  # not computed by the backward
         finished = ()
-        if any(saved):  # only a group with saved inputs waits through a barrier
+        if any(saved):  # only a group with saved inputs has a barrier: it takes the ends since the last
             finished = tuple(v for i in range(previous, min(group)) for v in ends[i])
             previous = min(group)
         groups.append(Group(min(group), max(group) + 1, inputs, saved, after, tuple(chain), finished))
@@ -203,7 +205,8 @@ def tie(groups: Sequence[Group], by_data: bool) -> Callable[[int, dict], None]:
     return before
 
 
-def _tie_by_barrier(values: list, after: Any, finished: list, saved: Sequence[bool]) -> tuple[list, Any, list]:
+def _tie_by_barrier(values: list, after: Any, finished: list,
+                    saved: Sequence[bool]) -> tuple[list, Any, list]:
     """Only saved values pass through the barrier: a value an earlier group recomputed
     waits already, and a barrier on it would make XLA write it to memory between two
     fusions (on a GPU, a GPT's step moved 1.28x the fused step's bytes, 1.13x without).
