@@ -180,6 +180,17 @@ def test_a_reshape_alone_does_not_wait() -> None:
     assert sp.recompute_groups == 0
 
 
+def _barriers(text: str) -> list[list[tuple[str, str]]]:
+    """Per barrier in `text`, its operands in order: (the op that makes each, its type)."""
+    out = []
+    for func in text.split("func.func")[1:]:
+        made = dict(re.findall(r"(%[\w#:]+) = (?:\"?)([\w.]+)", func))
+        for operands, types in re.findall(r"stablehlo.optimization_barrier (.*) : (.*)", func):
+            out.append(list(zip([made.get(x, "argument") for x in operands.split(", ")],
+                                re.findall(r"tensor<([^>]*)>", types), strict=False)))
+    return out
+
+
 def test_a_group_waits_for_the_value_a_cotangent_is_broadcast_from() -> None:
     """A barrier's operands are written to memory. A cross-entropy's recomputation waits
     for its cotangent, which is a per-row value broadcast to the logits' shape: the group
@@ -195,12 +206,7 @@ def test_a_group_waits_for_the_value_a_cotangent_is_broadcast_from() -> None:
     with aotgrad.config.patch(activation_memory_budget=0.0):
         step = jax.jit(jax.value_and_grad(aotgrad.compile(loss)))
         text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    waited = []  # (the op that makes each tie's last operand, its type)
-    for func in text.split("func.func")[1:]:
-        made = dict(re.findall(r"(%[\w#:]+) = (?:\"?)([\w.]+)", func))
-        for operands, types in re.findall(r"stablehlo.optimization_barrier (.*) : (.*)", func):
-            last = operands.split(", ")[-1]
-            waited.append((made.get(last, "argument"), re.findall(r"tensor<([^>]*)>", types)[-1]))
+    waited = [operands[-1] for operands in _barriers(text)]  # each tie's last operand
     assert waited
     assert ("stablehlo.broadcast_in_dim", f"{b}x{v}xf32") not in waited, waited
 
@@ -219,17 +225,6 @@ def test_the_backward_reads_the_waited_for_copy() -> None:
         assert re.search(rf"{re.escape(name)}#{int(n) - 1}\b", text), (name, n)
 
 
-def _barrier_operands(text: str) -> list[tuple[str, str]]:
-    """(the op that makes it, its type) for every operand of every barrier in `text`."""
-    out = []
-    for func in text.split("func.func")[1:]:
-        made = dict(re.findall(r"(%[\w#:]+) = (?:\"?)([\w.]+)", func))
-        for operands, types in re.findall(r"stablehlo.optimization_barrier (.*) : (.*)", func):
-            out += zip([made.get(x, "argument") for x in operands.split(", ")],
-                       re.findall(r"tensor<([^>]*)>", types), strict=False)
-    return out
-
-
 @pytest.mark.parametrize("devices", [8, 1])
 def test_a_group_waits_for_the_weight_gradient_that_ends_an_earlier_groups_values(monkeypatch, devices) -> None:
     """On several devices, a weight gradient's matmul that reads a recomputed activation
@@ -245,7 +240,7 @@ def test_a_group_waits_for_the_weight_gradient_that_ends_an_earlier_groups_value
     with aotgrad.config.patch(activation_memory_budget=0.0):
         step = jax.jit(jax.grad(aotgrad.compile(relu_stack)))
         text = step.trace(_params()).lower(lowering_platforms=("cuda",)).as_text()
-    held = _barrier_operands(text)
+    held = [operand for operands in _barriers(text) for operand in operands]
     assert held
     weight_grads = [t for op, t in held if op == "stablehlo.dot_general" and t == f"{D}x{D}xf32"]
     assert (len(weight_grads) >= L - 2) if devices > 1 else not weight_grads, held

@@ -118,7 +118,7 @@ def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var],
                                      if isinstance(v, Var) and v not in inside))
         saved = tuple(v not in position for v in inputs)  # not computed by the backward
         finished = ()
-        if any(saved):  # only a group with saved inputs has a barrier: it takes the ends since the last
+        if any(saved):  # only such a group has a barrier: it waits for the ends since the last one
             finished = tuple(v for i in range(previous, min(group)) for v in ends[i])
             previous = min(group)
         groups.append(Group(min(group), max(group) + 1, inputs, saved, after, tuple(chain), finished))
@@ -132,7 +132,7 @@ def _finished(eqns: Sequence[JaxprEqn], is_bwd: list[bool], readers: list[list[i
     collective that sums it over devices, and hold its recomputed operand meanwhile (8
     data-parallel H100s held every layer's recomputed attention probabilities)."""
     ends: list[list[Var]] = [[] for _ in eqns]
-    for i, e in enumerate(eqns):
+    for i in range(len(eqns)):
         if is_bwd[i] or not readers[i]:
             continue
         last = max(readers[i])
