@@ -23,6 +23,18 @@ What differs between devices today:
   0: 155.7 GB moved instead of 165.3, the same peak (docs/benchmarks.md). XLA:TPU moved
   more bytes with reductions priced so (a GPT at budget 0: 3.06 GB against 2.93): there
   a recomputed reduction still re-reads its input;
+- what recomputing a transcendental function costs (`transcendentals`,
+  `partition/costs.py`): on a GPU, `exp` or `log` is one special-function instruction
+  per element and recomputing one costs a fifth of moving its output (float32, H100),
+  not as much as moving it once more (on a CPU, a polynomial of tens of instructions).
+  GPT-2 small on an H100 at budget 0.99 then saves the attention scores and recomputes
+  their softmax, as `dots_saveable` does, and moves that policy's bytes (docs/benchmarks.md);
+- whether saving a value inside a row normalization costs a pass over its input
+  (`row_reductions_fuse` again, `partition/min_cut.py`): XLA:GPU runs a softmax or a
+  layer norm as one kernel only while nothing inside it (its max, its sum, values
+  computed from them) must be written out; saving one splits it into kernels that each
+  read the row again. A transformer block at budget 0.5 saved the softmax's max beside
+  the scores and moved 27.8 GB, 21.1 once a saved max costs that read;
 - whether the budget offers cuts that keep the loss head (`keeps_loss_head`,
   `partition/budget.py`): on XLA:GPU a low budget that checkpoints each block and keeps
   the logits peaked no higher, and moved fewer bytes and FLOPs, than one that recomputes
@@ -54,6 +66,14 @@ class DeviceProfile:
     matmul_operands_cost: bool = False  # see the module docstring
     row_reductions_fuse: bool = False  # see the module docstring
     keeps_loss_head: bool = False  # see the module docstring
+    transcendentals: float | None = None  # elementwise exp/log/sin/... results per second
+
+    def transcendental_cost(self, itemsize: int) -> float | None:
+        """Bytes moved in the time one transcendental result of `itemsize` bytes is
+        computed, per byte of it (None: not known)."""
+        if not self.transcendentals or not self.memory_bandwidth:
+            return None
+        return self.memory_bandwidth / (self.transcendentals * itemsize)
 
     def flops(self, dtype: str) -> float | None:
         return dict(self.matmul_flops).get(dtype)
@@ -70,13 +90,18 @@ PROFILES: tuple[DeviceProfile, ...] = (
     DeviceProfile("cpu", "cpu", ("cpu",)),
     # NVIDIA H100 SXM5 80GB datasheet: HBM3 3.35 TB/s; dense TF32 494.7, BF16/FP16 989.4
     # TFLOP/s (float32 matmuls run as TF32 at JAX's default precision on GPUs).
+    # Transcendentals: CUDA C++ Programming Guide, arithmetic instruction throughput,
+    # compute capability 9.0: 16 special-function results (exp2, log2, sin, rsqrt...) per
+    # clock per SM; H100 whitepaper: 132 SMs, 1.98 GHz boost.
     DeviceProfile("h100", "gpu", ("H100",), (("float32", 494.7 * _T), ("bfloat16", 989.4 * _T),
                                              ("float16", 989.4 * _T)), 3.35e12, 80 * 2**30, True,
-                  row_reductions_fuse=True, keeps_loss_head=True),
+                  row_reductions_fuse=True, keeps_loss_head=True, transcendentals=132 * 16 * 1.98e9),
     # NVIDIA A100 SXM4 80GB datasheet: HBM2e 2,039 GB/s; dense TF32 156, BF16/FP16 312 TFLOP/s.
+    # Transcendentals: as above for compute capability 8.0 (16 per clock per SM); A100
+    # whitepaper: 108 SMs, 1.41 GHz boost.
     DeviceProfile("a100", "gpu", ("A100",), (("float32", 156 * _T), ("bfloat16", 312 * _T),
                                              ("float16", 312 * _T)), 2.039e12, 80 * 2**30, True,
-                  row_reductions_fuse=True, keeps_loss_head=True),
+                  row_reductions_fuse=True, keeps_loss_head=True, transcendentals=108 * 16 * 1.41e9),
     # Google Cloud TPU v5e documentation: 197 TFLOP/s bf16, HBM 16 GiB at 819 GB/s
     # (float32 matmuls run as one bf16 pass at JAX's default precision on TPUs).
     DeviceProfile("tpu-v5e", "tpu", ("v5 lite", "v5e"), (("float32", 197 * _T), ("bfloat16", 197 * _T)),

@@ -322,8 +322,11 @@ def test_backward_waits_without_collectives():
     p = jax.tree.map(lambda a: _put(mesh, a), _mlp_params())
     x = _put(mesh, _normal(7, 64, 16), ("data", "model"), None)
     y = _put(mesh, _normal(8, 64, 8), ("data", "model"), None)
+    def deeper(p, x, y):  # a layer below the loss head's, whose recomputation waits
+        return _mlp(p, jax.nn.gelu(x @ p["w0"]), y)
+    p["w0"] = _put(mesh, _normal(9, 16, 16, scale=0.3))
     with aotgrad.config.patch(activation_memory_budget=0.99):  # below 1: recomputation
-        report = aotgrad.explain(aotgrad.compile(_mlp), p, x, y, argnums=0)
+        report = aotgrad.explain(aotgrad.compile(deeper), p, x, y, argnums=0)
     assert report.recompute_groups
     prims = [e.primitive.name for e in report.backward_jaxpr.jaxpr.eqns]
     assert "optimization_barrier" in prims and "bitcast_convert_type" not in prims

@@ -57,6 +57,48 @@ def test_row_reductions_are_priced_as_the_device_runs_them():
     assert costs.recompute_cost(last, Kind.REDUCE) == 8192  # device not known
 
 
+def test_saving_inside_a_softmax_costs_a_read_of_its_row_where_rows_fuse():
+    """A softmax over the last axis of a (64, 32) float32 input (8192 bytes): on a device
+    whose row reductions fuse, saving its max, its sum or a per-row value computed from
+    them costs one more read of the 8192-byte row (XLA:GPU's one-kernel softmax splits);
+    full-size values and the input cost nothing more, nor does anything elsewhere."""
+    import importlib
+    from cuts import joint_graph
+    min_cut = importlib.import_module("aotgrad.partition.min_cut")  # the package exports a function of that name
+
+    def f(x):
+        m = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+        e = jnp.exp(x - m)
+        return jnp.sum(jnp.log(e / jnp.sum(e, axis=-1, keepdims=True)) ** 2)
+    graph = joint_graph(f, jnp.ones((64, 32)))
+    fused = min_cut.Problem.of(graph, rows_fuse=True)
+    extra = {(str(v.aval.shape), fused.kind_of_value(k).value, float(r))
+             for k, (v, r) in enumerate(zip(fused.values, fused.row_reads)) if r}
+    assert extra and all(r == 8192.0 and shape in ("(64,)", "(64, 1)") for shape, _, r in extra), extra
+    assert not any(r for v, r in zip(fused.values, fused.row_reads) if v.aval.shape == (64, 32))
+    assert not min_cut.Problem.of(graph).row_reads.any()
+
+
+def test_a_transcendental_is_priced_at_the_devices_speed_for_it():
+    """Recomputing `exp` costs its output bytes (1.0 per byte: tens of instructions per
+    element) where the device's speed for it is not known, and the time its special-function
+    units take where it is: H100 3.35e12 B/s / (132 SMs x 16 per clock x 1.98 GHz) / 4 bytes
+    = 0.200 per float32 byte, twice that per bfloat16 byte (half the bytes, same time)."""
+    from aotgrad.partition import costs
+    from aotgrad.partition.rules import Kind
+
+    def exp_cost(device, dtype):
+        eqn = jax.make_jaxpr(jnp.exp)(jnp.ones((64, 32), dtype)).jaxpr.eqns[0]
+        return costs.recompute_cost(eqn, Kind.CHEAP, device) / (64 * 32 * jnp.dtype(dtype).itemsize)
+    h100 = devices.profile_named("h100")
+    assert exp_cost(h100, jnp.float32) == pytest.approx(3.35e12 / (132 * 16 * 1.98e9) / 4)
+    assert exp_cost(h100, jnp.bfloat16) == pytest.approx(2 * exp_cost(h100, jnp.float32))
+    assert exp_cost(devices.profile_named("a100"), jnp.float32) == pytest.approx(0.209, abs=1e-3)
+    for name in ("cpu", "tpu-v5e", "gpu"):
+        assert exp_cost(devices.profile_named(name), jnp.float32) == 1.0, name
+    assert exp_cost(None, jnp.float32) == 1.0
+
+
 def test_arguments_on_the_host_are_built_for_the_host():
     x = jnp.ones(3)
     assert devices.profile_of([1.0, x]).name == jax.devices()[0].platform

@@ -9,7 +9,10 @@
   work (only when a memory budget allows it).
 - Where the device runs a reduction over the last axis in one kernel with its
   elementwise neighbours (`DeviceProfile.row_reductions_fuse`: XLA:GPU), recomputing one
-  costs compute like a fusible op, not a re-read of its input.
+  costs compute like a fusible op, not a re-read of its input; and saving a value inside
+  such a kernel (its max or sum) costs a read of its row (`min_cut._row_reads`).
+- A transcendental function's recomputation costs the device's time for it where its
+  profile knows it (`DeviceProfile.transcendentals`: a GPU's special-function units).
 Inputs are free: the caller holds them anyway. A derived copy of an input (a cast or
 transpose of a weight) is a real cost and is normally recomputed instead.
 """
@@ -26,11 +29,13 @@ from aotgrad._jax_internals import primitives as I
 from aotgrad.devices import DeviceProfile
 from aotgrad.partition.rules import Kind, sub_jaxprs
 
-__all__ = ["FLOPS_PER_BYTE", "flops", "nbytes", "recompute_cost", "save_cost"]
+__all__ = ["FLOPS_PER_BYTE", "flops", "nbytes", "over_last_axis", "recompute_cost", "save_cost"]
 
 CHEAP_PER_BYTE = 1 / 16  # a fused elementwise op: a little compute, no extra traffic
 # Transcendental functions cost tens of instructions per element: recomputing one costs
-# about as much time as moving its output once more on a CPU.
+# about as much time as moving its output once more on a CPU. A device that says how fast
+# it computes them (`DeviceProfile.transcendentals`: a GPU's special-function units) is
+# charged that time instead.
 TRANSCENDENTAL_PER_BYTE = 1.0
 TRANSCENDENTAL: frozenset[Primitive] = frozenset({
     P.exp_p, P.exp2_p, P.expm1_p, P.log_p, P.log1p_p, P.tanh_p, P.logistic_p, P.erf_p, P.erfc_p, P.erf_inv_p,
@@ -69,13 +74,13 @@ def recompute_cost(eqn: Any, kind: Kind, device: DeviceProfile | None = None) ->
     known); inf if it must not be."""
     out = sum(nbytes(v.aval) for v in eqn.outvars)
     if kind is Kind.CHEAP:
-        per_byte = TRANSCENDENTAL_PER_BYTE if eqn.primitive in TRANSCENDENTAL else CHEAP_PER_BYTE
+        per_byte = _transcendental_cost(eqn, device) if eqn.primitive in TRANSCENDENTAL else CHEAP_PER_BYTE
         return per_byte * out
     if kind is Kind.MOVE:
         return MOVE_PER_BYTE * out
     if kind is Kind.REDUCE:
         read = float(sum(nbytes(v.aval) for v in eqn.invars))
-        fused = device is not None and device.row_reductions_fuse and _over_last_axis(eqn)
+        fused = device is not None and device.row_reductions_fuse and over_last_axis(eqn)
         return CHEAP_PER_BYTE * read if fused else read
     if kind is Kind.RANDOM:
         return RANDOM_PER_BYTE * out
@@ -84,7 +89,13 @@ def recompute_cost(eqn: Any, kind: Kind, device: DeviceProfile | None = None) ->
     return math.inf
 
 
-def _over_last_axis(eqn: Any) -> bool:
+def _transcendental_cost(eqn: Any, device: DeviceProfile | None) -> float:
+    """Per output byte: the device's time for one result, where it is known."""
+    known = device.transcendental_cost(_itemsize(eqn.outvars[0].aval.dtype)) if device is not None else None
+    return TRANSCENDENTAL_PER_BYTE if known is None else max(CHEAP_PER_BYTE, known)
+
+
+def over_last_axis(eqn: Any) -> bool:
     """A reduction over its operand's last axis only (a softmax's, a layer norm's)."""
     axes = eqn.params.get("axes")
     rank = len(getattr(eqn.invars[0].aval, "shape", ()))

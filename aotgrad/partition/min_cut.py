@@ -46,6 +46,8 @@ class Problem:
     written: np.ndarray  # per value: written to memory in the forward anyway (bool)
     operands: np.ndarray  # value positions a backward matmul (or other opaque equation) reads
     operands_cost: bool  # a recomputed one is written to memory and read back in the backward
+    # Per value: bytes a row-normalization kernel reads again if the value is saved (0: none)
+    row_reads: np.ndarray
 
     @classmethod
     def priced(cls, graph: JointGraph, stacked: bool = False) -> "Problem":
@@ -54,13 +56,16 @@ class Problem:
         not in a scan body (`stacked`), whose saved values are written into their stacks
         anyway."""
         device = graph.device
-        return cls.of(graph, device is not None and device.matmul_operands_cost and not stacked)
+        return cls.of(graph, device is not None and device.matmul_operands_cost and not stacked,
+                      device is not None and device.row_reductions_fuse)
 
     @classmethod
-    def of(cls, graph: JointGraph, operands_cost: bool = False) -> "Problem":
+    def of(cls, graph: JointGraph, operands_cost: bool = False, rows_fuse: bool = False) -> "Problem":
         """`operands_cost`: recomputing a value a backward matmul reads costs its write and
-        read there (the device's `matmul_operands_cost`). Recomputation is priced for the
-        graph's device (`costs.recompute_cost`)."""
+        read there (the device's `matmul_operands_cost`). `rows_fuse`: the device runs a row
+        normalization as one kernel, and saving a value inside it costs one more read of
+        its input (`_row_reads`). Recomputation is priced for the graph's device
+        (`costs.recompute_cost`)."""
         dependent = graph.input_dependent
         eqns, kinds, values, producer = [], [], [], []
         position: dict[Var, int] = {}
@@ -100,10 +105,11 @@ class Problem:
         for v in _vars(graph.outputs):
             if v in position:
                 written[position[v]] = True
+        row_reads = _row_reads(graph, eqns, kinds, values) if rows_fuse else np.zeros(len(values))
         return cls(graph, tuple(eqns), tuple(kinds), tuple(values), np.asarray(producer, np.int64),
                    (np.asarray(reads_v, np.int64), np.asarray(reads_e, np.int64)),
                    np.asarray(sorted(needed), np.int64), written, np.asarray(sorted(operands), np.int64),
-                   operands_cost)
+                   operands_cost, row_reads)
 
     @functools.cached_property
     def position(self) -> dict[Var, int]:
@@ -121,7 +127,7 @@ class Problem:
     @functools.cached_property
     def save_costs(self) -> np.ndarray:
         return np.asarray([costs.save_cost(v.aval, bool(w))
-                           for v, w in zip(self.values, self.written, strict=True)], np.float64)
+                           for v, w in zip(self.values, self.written, strict=True)], np.float64) + self.row_reads
 
     def recompute_costs(self, allow_costly: bool) -> np.ndarray:
         """Per equation; compute-bound equations are infinite unless `allow_costly`."""
@@ -206,6 +212,31 @@ def _from_widened(eqn: JaxprEqn, widened: set[Var]) -> bool:
         return True
     return any(getattr(v.aval, "dtype", None) in _HALF for v in ins) and \
         any(getattr(v.aval, "dtype", None) in _WIDE for v in _vars(eqn.outvars))
+
+
+def _row_reads(graph: JointGraph, eqns: list[int], kinds: list[Kind], values: list[Var]) -> np.ndarray:
+    """Per value: the bytes of the row a last-axis reduction reads, if the value is that
+    reduction's result or computed from it by fusible equations while still smaller than
+    the row (a softmax's max and sum, a layer norm's mean and scale). XLA:GPU fuses the
+    normalization into one kernel only while none of these must be written out; saving
+    one splits it into kernels that each read the row again."""
+    row: dict[Var, Var] = {}  # a value inside a normalization -> the row it reduces
+    out = np.zeros(len(values))
+    k = 0
+    for i, kind in zip(eqns, kinds, strict=True):
+        eqn = graph.eqns[i]
+        rows: list[Var] = []
+        if kind is Kind.REDUCE and costs.over_last_axis(eqn) and isinstance(eqn.invars[0], Var):
+            rows = [eqn.invars[0]]
+        elif kind in (Kind.CHEAP, Kind.MOVE):
+            rows = [row[v] for v in _vars(eqn.invars) if v in row]
+        source = max(rows, key=lambda r: r.aval.size, default=None)
+        for v in _vars(eqn.outvars):
+            if source is not None and v.aval.size < source.aval.size:  # still per row
+                row[v] = source
+                out[k] = costs.nbytes(source.aval)
+            k += 1
+    return out
 
 
 def _vars(atoms: object) -> list[Var]:
