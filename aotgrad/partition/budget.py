@@ -34,7 +34,10 @@ The candidates:
   layer leaves them. Where the backward is a program of its own (an eager call), the
   saved head is held for the whole backward; in a jitted step (`JointGraph.staged`) XLA
   frees it once the head's gradient is made, and so does the estimate. GPT-2 small on an
-  H100: budget 0 keeps the head, 4.15 GB against 4.17 without it, at 0.93x the FLOPs; a
+  H100: budget 0 kept the head, 4.15 GB against 4.17 without it, at 0.93x the FLOPs, while
+  the loss head's recomputation waited through a barrier; since it does not
+  (`schedule._head`), XLA merges the recomputed logits' matmul with the forward's in a
+  jitted step, and budget 0 is the same step with or without these cuts; a
   GPT with D=1024, whose peak is in a layer's backward, keeps it at budget 0 only in a
   jitted step (docs/benchmarks.md).
   (With every point free as well as the head, 8 data-parallel H100s peaked 1.4x higher.)
@@ -72,7 +75,7 @@ from jax.extend.core import Var
 from aotgrad.errors import BudgetUnreachable
 from aotgrad.partition.boundaries import boundaries, head, layer_points
 from aotgrad.partition.peak import estimate
-from aotgrad.partition.rules import Kind
+from aotgrad.partition.rules import MATMULS, Kind
 from aotgrad.partition.split import recompute_late
 
 if TYPE_CHECKING:  # min_cut imports scan, which imports scan_schedule from here
@@ -223,7 +226,7 @@ def matmul_outputs(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
     every, unbatched = [], []
     for k, e in enumerate(problem.producer):
         eqn = problem.graph.eqns[problem.eqns[e]]
-        if eqn.primitive in (P.dot_general_p, P.conv_general_dilated_p):
+        if eqn.primitive in MATMULS:
             every.append(k)
             if eqn.primitive is P.dot_general_p and not eqn.params["dimension_numbers"][1][0]:
                 unbatched.append(k)

@@ -44,7 +44,8 @@ from aotgrad._jax_internals import jax_primitives
 from aotgrad._jax_internals import primitives as I
 from aotgrad.interpret import sub_jaxprs
 
-__all__ = ["FALLBACK", "FLOAT_EQUALITY", "IN_PLACE", "Kind", "RULES", "kind_of", "register", "sub_jaxprs", "without_rule"]
+__all__ = ["FALLBACK", "FLOAT_EQUALITY", "IN_PLACE", "MATMULS", "Kind", "RULES", "kind_of", "register", "sub_jaxprs",
+           "without_rule"]
 
 
 class Kind(enum.Enum):
@@ -85,8 +86,11 @@ _REDUCE = (
 # Keyed, so recomputing reproduces the bits (`rng_uniform`, which is stateful, is UNSAFE).
 _RANDOM = (P.random_bits_p, P.random_seed_p, I.random_wrap_p, I.random_unwrap_p, P.random_fold_in_p,
            P.random_split_p, P.threefry2x32_p, P.random_gamma_p, P.rng_bit_generator_p)
+# Matmuls and convolutions: the compute-bound work a checkpoint policy saves, and what
+# reads its operands from memory.
+MATMULS: frozenset[Primitive] = frozenset({P.dot_general_p, P.conv_general_dilated_p})
 _COSTLY = (
-    P.dot_general_p, P.conv_general_dilated_p, P.sort_p, P.top_k_p, P.fft_p, P.cholesky_p, P.qr_p, P.svd_p,
+    *MATMULS, P.sort_p, P.top_k_p, P.fft_p, P.cholesky_p, P.qr_p, P.svd_p,
     P.eig_p, P.eigh_p, P.lu_p, I.lu_pivots_to_permutation_p, P.triangular_solve_p,
     P.householder_product_p, I.geqrf_p, P.tridiagonal_p, P.tridiagonal_solve_p, P.schur_p,
     P.hessenberg_p, P.scan_p, P.while_p, P.cond_p, P.custom_lin_p,

@@ -55,13 +55,12 @@ from jax.extend.core import JaxprEqn, Var
 
 from aotgrad._jax_internals import bind_eqn
 from aotgrad.interpret import read
-from aotgrad.partition.rules import Kind, kind_of
+from aotgrad.partition.rules import MATMULS, Kind, kind_of
 
 __all__ = ["Group", "VIEWS", "plan", "tie"]
 
 # Equations XLA turns into views of their input (no copy): a group of only these is not tied.
 VIEWS = frozenset({P.reshape_p, P.squeeze_p})
-_MATMULS = frozenset({P.dot_general_p, P.conv_general_dilated_p})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +135,9 @@ def _head(eqns: Sequence[JaxprEqn], is_bwd: list[bool]) -> int:
     the backward needs first: waiting gains nothing there, and a barrier would keep XLA
     from reusing the values the forward computed just before (the logits, their max and
     sum) and from writing the logits' gradient over them: GPT-2 small on an H100 held
-    one logits-sized buffer more."""
-    return next((i for i, e in enumerate(eqns) if is_bwd[i] and e.primitive in _MATMULS), 0)
+    one logits-sized buffer more. A matmul, not any compute-bound equation: a
+    cross-entropy's gradient is a scatter-add, part of the head."""
+    return next((i for i, e in enumerate(eqns) if is_bwd[i] and e.primitive in MATMULS), 0)
 
 
 def _finished(eqns: Sequence[JaxprEqn], is_bwd: list[bool], readers: list[list[int]]) -> list[list[Var]]:
