@@ -14,11 +14,12 @@ view: the reshapes of a scan's stacked weights are free early, while a tie would
 weights). Groups come from the graph, not from annotations. The loss head's groups, which
 wait for a value computed before the backward's first matmul, do not wait (`_head`).
 With several devices, a group that waits through a barrier also waits for the weight
-gradients that read an earlier group's recomputed values last (`_finished`): a weight
-gradient is needed only by the collective that sums it over the devices, and XLA:GPU ran
-them all at the step's end, beside that collective, holding every layer's recomputed
-operands until then. (The wait also makes each layer's collective run before the next
-layer's recomputation rather than in one at the end.)
+gradients computed since the last barrier that could hold large operands (`_finished`):
+a weight gradient is needed only by the collective that sums it over the devices, and
+XLA:GPU ran them all at the step's end, beside that collective, holding their operands
+(recomputed activations, the logits' gradient, layers' cotangents) until then. (The wait
+also makes each layer's collective run before the next layer's recomputation rather than
+in one at the end.)
 Waiting cannot form a cycle: that value is computed before C by equations that do not
 read C's group (C is its first consumer), and each weight gradient waited for comes
 before the group in the backward's order. The group's members are contiguous in
@@ -55,12 +56,16 @@ from jax.extend.core import JaxprEqn, Var
 
 from aotgrad._jax_internals import bind_eqn
 from aotgrad.interpret import read
+from aotgrad.partition.costs import nbytes
 from aotgrad.partition.rules import MATMULS, Kind, kind_of
 
 __all__ = ["Group", "VIEWS", "plan", "tie"]
 
 # Equations XLA turns into views of their input (no copy): a group of only these is not tied.
 VIEWS = frozenset({P.reshape_p, P.squeeze_p})
+# What computes a weight gradient: a matmul (a weight's), a sum over the batch (a bias's or
+# a scale's).
+_CONTRACTIONS = MATMULS | {P.reduce_sum_p}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,16 +81,16 @@ class Group:
     # Backward equations from `after` to the value C reads, which `tie` evaluates again on
     # the waited-for copy of `after` (a broadcast of it, say).
     chain: tuple[JaxprEqn, ...] = ()
-    # Weight gradients (matmul results) that end an earlier group's recomputed values:
+    # Weight gradients computed since the last barrier that could hold large operands:
     # with several devices the group waits for them too (`_finished`).
     finished: tuple[Var, ...] = ()
 
 
-def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var],
-         collectives: bool = False) -> tuple[Group, ...]:
+def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var], devices: int = 1,
+         step_inputs: frozenset[Var] = frozenset()) -> tuple[Group, ...]:
     """The groups of `eqns` (the backward's equations in order; `backward` holds the
-    cotangent-dependent values) that have something to wait for. `collectives`: the step
-    runs on several devices, where groups also wait for weight gradients (`_finished`)."""
+    cotangent-dependent values) that have something to wait for. With several `devices`
+    groups also wait for weight gradients (`_finished`; `step_inputs` are never freed)."""
     position = {v: i for i, e in enumerate(eqns) for v in e.outvars if isinstance(v, Var)}
     is_bwd = [any(isinstance(v, Var) and v in backward for v in e.invars) for e in eqns]
     readers: list[list[int]] = [[] for _ in eqns]
@@ -103,7 +108,8 @@ def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var],
         if c is not None:
             members.setdefault(c, []).append(i)
     groups = []
-    ends = _finished(eqns, is_bwd, readers) if collectives else [[] for _ in eqns]
+    collectives = devices > 1
+    ends = _finished(eqns, is_bwd, readers, step_inputs, devices) if collectives else [[] for _ in eqns]
     head = _head(eqns, is_bwd)
     previous = 0
     for c, group in sorted(members.items()):
@@ -140,13 +146,31 @@ def _head(eqns: Sequence[JaxprEqn], is_bwd: list[bool]) -> int:
     return next((i for i, e in enumerate(eqns) if is_bwd[i] and e.primitive in MATMULS), 0)
 
 
-def _finished(eqns: Sequence[JaxprEqn], is_bwd: list[bool], readers: list[list[int]]) -> list[list[Var]]:
-    """Per equation, its outputs if it is a backward matmul that is the last reader of a
-    recomputed value (a weight gradient's matmul reading a recomputed activation). A
-    later group waits for them too: else XLA may run a weight gradient late, next to the
-    collective that sums it over devices, and hold its recomputed operand meanwhile (8
-    data-parallel H100s held every layer's recomputed attention probabilities)."""
+def _finished(eqns: Sequence[JaxprEqn], is_bwd: list[bool], readers: list[list[int]],
+              step_inputs: frozenset[Var], devices: int) -> list[list[Var]]:
+    """Per equation, its outputs if it is a backward equation that may hold large
+    operands if XLA runs it late: a matmul that is the last reader of a recomputed value
+    (a weight gradient's, reading a recomputed activation), or a weight gradient (a
+    matmul or a sum whose result reaches no later matmul: a weight's, a bias's or a
+    scale's) whose operands outweigh its result on each device. A later group waits for
+    them too: else XLA ran weight gradients late, next to the collective that sums them
+    over the devices, and held their operands meanwhile (8 data-parallel H100s held every
+    layer's recomputed attention probabilities; with sharded parameters, GPT-2 small's
+    logits' gradient, 1.65 GB per device, until the tied embedding's gradient, and
+    layers' cotangents until their bias gradients). A weight gradient is whole on every
+    device until that collective, while the activations it reads are split over the
+    devices: a wide layer's, from a few tokens per device, is the larger, and waiting
+    would hold it instead. The step's inputs are never freed: they do not count."""
     ends: list[list[Var]] = [[] for _ in eqns]
+    feeds_matmul = [False] * len(eqns)
+    for i in range(len(eqns) - 1, -1, -1):
+        feeds_matmul[i] = any(eqns[r].primitive in MATMULS or feeds_matmul[r] for r in readers[i])
+    for i, e in enumerate(eqns):
+        if not (is_bwd[i] and e.primitive in _CONTRACTIONS and not feeds_matmul[i]):
+            continue
+        operands = sum(nbytes(v.aval) for v in e.invars if isinstance(v, Var) and v not in step_inputs)
+        if operands > devices * sum(nbytes(v.aval) for v in e.outvars):
+            ends[i] = [v for v in e.outvars if isinstance(v, Var) and _floating(v.aval)]
     for i in range(len(eqns)):
         if is_bwd[i] or not readers[i]:
             continue

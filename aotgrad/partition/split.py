@@ -79,7 +79,8 @@ def split(graph: JointGraph, saved: dict[Var, str], absent: Sequence[Var] = ()) 
         v for v in graph.cotangents if v not in zero]
     forward = _emit(graph, fwd_idx, fwd_in, list(graph.outputs) + list(activations))
     order = recompute_late(graph, bwd_idx)
-    groups = schedule.plan([graph.eqns[i] for i in order], graph.backward - zero, collectives=graph.devices > 1)
+    groups = schedule.plan([graph.eqns[i] for i in order], graph.backward - zero, graph.devices,
+                           step_inputs=frozenset(graph.inputs))
     backward = _emit(graph, order, bwd_in, list(graph.grads),
                      before_eqn=schedule.tie(groups, schedule.tie_by_data()),
                      zeros=_zeros_read(graph, order, zero))
