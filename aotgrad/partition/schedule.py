@@ -108,8 +108,7 @@ def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var], devices: int = 1,
         if c is not None:
             members.setdefault(c, []).append(i)
     groups = []
-    collectives = devices > 1
-    ends = _finished(eqns, is_bwd, readers, step_inputs, devices) if collectives else [[] for _ in eqns]
+    ends = _finished(eqns, is_bwd, readers, step_inputs, devices) if devices > 1 else [[] for _ in eqns]
     head = _head(eqns, is_bwd)
     previous = 0
     for c, group in sorted(members.items()):
@@ -170,14 +169,18 @@ def _finished(eqns: Sequence[JaxprEqn], is_bwd: list[bool], readers: list[list[i
             continue
         operands = sum(nbytes(v.aval) for v in e.invars if isinstance(v, Var) and v not in step_inputs)
         if operands > devices * sum(nbytes(v.aval) for v in e.outvars):
-            ends[i] = [v for v in e.outvars if isinstance(v, Var) and _floating(v.aval)]
+            ends[i] = _floating_outputs(e)
     for i in range(len(eqns)):
         if is_bwd[i] or not readers[i]:
             continue
         last = max(readers[i])
         if is_bwd[last] and kind_of(eqns[last]) is Kind.COSTLY:
-            ends[last] = [v for v in eqns[last].outvars if isinstance(v, Var) and _floating(v.aval)]
+            ends[last] = _floating_outputs(eqns[last])
     return ends
+
+
+def _floating_outputs(eqn: JaxprEqn) -> list[Var]:
+    return [v for v in eqn.outvars if isinstance(v, Var) and _floating(v.aval)]
 
 
 def _latest_backward_input(eqn: JaxprEqn, position: dict[Var, int],
