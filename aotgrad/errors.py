@@ -15,5 +15,5 @@ class BudgetUnreachable(ConfigError):
         self.budget, self.smallest = budget, smallest
         super().__init__(
             f"aotgrad.config.activation_memory_budget={budget:,} bytes cannot be met: the smallest "
-            f"step peak aotgrad can plan for this function is about {smallest:,} bytes (estimated, "
+            f"step peak aotgrad can plan for this function is about {smallest:,} bytes per device (estimated, "
             f"{smallest / 2 ** 20:.1f} MiB). Raise the budget to at least that, or give a fraction in [0, 1].")

@@ -15,6 +15,7 @@ from aotgrad._jax_internals import bind_eqn
 from aotgrad.devices import DeviceProfile, device_count_of
 from aotgrad.interpret import INLINE_RULES, eval_jaxpr
 from aotgrad.partition.graph import JointGraph
+from aotgrad.partition.shards import input_splits
 from aotgrad.provenance import numbered
 from aotgrad.signature import check_output_leaves
 
@@ -115,8 +116,9 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
     # Inline nested jit / closed_call so the partitioner sees every primitive.
     inlined = jax.make_jaxpr(lambda *xs: eval_jaxpr(closed.jaxpr, closed.consts, xs, INLINE_RULES))(
         *in_avals, *ct_avals)
+    devices = device_count_of(in_avals)
     return JointGraph(inlined, n_inputs=len(in_avals), n_outs=len(fwd.out_avals), device=device,
-                      staged=staged, devices=device_count_of(in_avals))
+                      staged=staged, devices=devices, input_splits=input_splits(in_avals, perturbed, devices))
 
 
 def trace_body_joint(closed: ClosedJaxpr, avals: Sequence[Any], device: DeviceProfile | None = None) -> JointGraph:

@@ -387,3 +387,38 @@ def test_donate_saved_releases_sharded_values():
     assert not any(a.is_deleted() for a in jax.tree.leaves((p, x, y)))
     with pytest.raises(RuntimeError, match="saved values were released after the first backward"):
         bwd(saved, jnp.ones_like(out))
+
+
+def test_a_byte_budget_is_per_device():
+    """`activation_memory_budget` in bytes is per device. With the batch split over 8
+    devices, the smallest peak the error names is about one device's (XLA's per-device
+    peak of the step planned at it), not the whole batch's (as it was when the estimate
+    counted global shapes); that budget and a larger one plan steps whose gradients are
+    JAX's. Both meshes' axis types."""
+    def mlp(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x ** 2)
+
+    ws = [_normal(i, 128, 128, scale=0.1) for i in range(4)]
+    x = _normal(9, 2048, 128)
+    with pytest.raises(aotgrad.BudgetUnreachable) as e, aotgrad.config.patch(activation_memory_budget="1KB"):
+        jax.jit(jax.grad(aotgrad.compile(mlp))).lower(ws, x)
+    whole = e.value.smallest
+    for mode in MODES:
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(MODES[mode],))
+        ws_s, x_s = [_put(mesh, w) for w in ws], _put(mesh, x, "data")
+        step = jax.jit(jax.grad(aotgrad.compile(mlp)))
+        with jax.set_mesh(mesh):
+            with pytest.raises(aotgrad.BudgetUnreachable) as e, aotgrad.config.patch(activation_memory_budget="1KB"):
+                step.lower(ws_s, x_s)
+            smallest = e.value.smallest
+            want = jax.jit(jax.grad(mlp))(ws_s, x_s)
+            peaks = []
+            for budget in (smallest, 4 * smallest):
+                with aotgrad.config.patch(activation_memory_budget=budget):
+                    peaks.append(xla_peak(step.lower(ws_s, x_s).compile().memory_analysis()))
+                    assert_close(step(ws_s, x_s), want)
+        assert smallest < whole / 3, (mode, smallest, whole)
+        assert smallest / 2 < peaks[0] < 2 * smallest, (mode, smallest, peaks)
+

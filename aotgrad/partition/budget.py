@@ -50,7 +50,8 @@ The candidates:
 
 A budget in bytes (`Bytes`, "12GB") is the limit itself: the cheapest candidate whose
 estimated step peak is at most that many bytes; if none is, `BudgetUnreachable` names the
-lowest estimated peak.
+lowest estimated peak. Peaks are per device: a sharded step's values count at their size
+on one device (`shards.py`).
 
 Only candidates that are cheaper to run than every candidate with a lower estimated peak,
 and save no fewer bytes, are kept (`choices`): the estimated peak, the saved bytes and the
@@ -290,7 +291,7 @@ def within_budget(problem: Problem, budget: Budget, stacked: bool = False) -> di
     """The cheapest candidate whose estimated step peak fits the budget: the limit is
     P0 + budget x (P1 - P0), P1 the cheapest cut's estimated peak, P0 the lowest (saved
     bytes for a scan body: `stacked`), or the budget itself if it is `Bytes`."""
-    what = "saves" if stacked else "estimated step peak"
+    what = "saves" if stacked else "estimated step peak" + (" per device" if problem.graph.devices > 1 else "")
     if isinstance(budget, Bytes) and not stacked:  # budget 1's plan, if it fits
         top = problem.top_cut(stacked)
         if _step_peak(top) <= budget.n:

@@ -30,6 +30,9 @@ class JointGraph:
     # Devices the step runs on (its arguments' mesh): with several, collectives sum the
     # weight gradients, and the backward's recomputation waits for them (`schedule.py`).
     devices: int = 1
+    # Per input, the axis split over the devices and over how many (`shards.input_splits`;
+    # None: whole on each device). Empty: none split.
+    input_splits: tuple = ()
 
     @property
     def eqns(self) -> list[JaxprEqn]:

@@ -1,4 +1,5 @@
-"""An estimate of a saved set's step peak, for choosing between cuts before compiling.
+"""An estimate of a saved set's step peak on one device, for choosing between cuts before
+compiling (each value counted at its size on one device: `shards.py`).
 
 A program's peak is estimated as XLA's `memory_analysis()` adds it up: its arguments and
 outputs, plus the largest total of temporaries live at once, running the equations in
@@ -18,13 +19,14 @@ forward then the backward, where each saved value is freed after its last reader
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from jax.extend.core import JaxprEqn, Var
 
 from aotgrad.partition import costs, schedule
 from aotgrad.partition.graph import JointGraph, live_eqns
 from aotgrad.partition.rules import IN_PLACE, Kind, kind_of
+from aotgrad.partition.shards import per_device_bytes
 
 __all__ = ["estimate"]
 
@@ -45,11 +47,12 @@ def estimate(graph: JointGraph, saved: Iterable[Var], backward_order: Sequence[i
     fwd_idx, _ = live_eqns(graph.eqns, list(graph.outputs) + activations, inputs | consts)
     forward = [graph.eqns[i] for i in fwd_idx]
     backward = _untied_first(graph, [graph.eqns[i] for i in backward_order])
+    size = per_device_bytes(graph)
     if graph.staged:
         return _program_peak(forward + backward, list(graph.inputs) + list(graph.cotangents),
-                             list(graph.outputs) + list(graph.grads))
-    return max(_program_peak(forward, list(graph.inputs), list(graph.outputs) + activations),
-               _program_peak(backward, saved + list(graph.cotangents), list(graph.grads)))
+                             list(graph.outputs) + list(graph.grads), size)
+    return max(_program_peak(forward, list(graph.inputs), list(graph.outputs) + activations, size),
+               _program_peak(backward, saved + list(graph.cotangents), list(graph.grads), size))
 
 
 def _untied_first(graph: JointGraph, eqns: list[JaxprEqn]) -> list[JaxprEqn]:
@@ -69,16 +72,17 @@ def _untied_first(graph: JointGraph, eqns: list[JaxprEqn]) -> list[JaxprEqn]:
     return early + late
 
 
-def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list) -> int:
+def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
+                  size: Callable[[Var], int] = lambda v: costs.nbytes(v.aval)) -> int:
     """Arguments + outputs + the most temporaries live at once, running `eqns` in order.
     A result takes the buffer of an operand read for the last time by the same equation
     where XLA reuses it: an elementwise result of the operand's size (a fused loop writes
     over its input), an update in place (`IN_PLACE`) over its first operand. A variable
-    bound twice (a forward value the backward recomputes, in one program) is two buffers."""
+    bound twice (a forward value the backward recomputes, in one program) is two buffers.
+    `size`: a value's bytes (on one device: `shards.per_device_bytes`)."""
     arg_set = set(args)
     out_set = {v for v in outs if isinstance(v, Var)}
-    fixed = sum(costs.nbytes(v.aval) for v in arg_set) + \
-        sum(costs.nbytes(v.aval) for v in out_set - arg_set)
+    fixed = sum(size(v) for v in arg_set) + sum(size(v) for v in out_set - arg_set)
     kinds = [kind_of(e) for e in eqns]
     bound: dict[Var, int] = {}  # each variable's binding in force
     reads: list[list[Value]] = []  # each equation's operands, once each
@@ -106,7 +110,7 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list) -> int:
             made = (v, i)
             if made_fuses and made not in written:
                 continue
-            b = costs.nbytes(v.aval)
+            b = size(v)
             taken = next((u for u in reusable if held[u] == b), None)
             if taken is not None:  # the operand's buffer, no longer freed at i
                 reusable.remove(taken)
