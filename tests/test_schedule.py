@@ -285,3 +285,25 @@ def test_a_weight_gradient_is_waited_for_where_its_operands_outweigh_it(rows, wi
     ends = schedule._finished(eqns, is_bwd, readers, frozenset({w}), 8)
     assert bool(ends[weight_grad]) == waits, ends
     assert [i for i, e in enumerate(ends) if e] == ([weight_grad] if waits else [])
+
+
+@pytest.mark.parametrize("devices", [8, 1])
+def test_on_several_devices_the_backward_reads_weights_through_a_barrier(monkeypatch, devices) -> None:
+    """On several devices, each group's barrier also takes the weights (the step's
+    inputs) that the backward reads until the next barrier, and the backward reads them
+    from its copy: with sharded parameters XLA then gathers each weight again for its
+    layer's backward instead of holding every layer's gathered weights from the forward
+    (the effect on XLA:GPU's peak: tests/gpu_target_cases.py). On one device no barrier
+    takes a weight. Lowered for a GPU; no GPU or plugin needed. The gradients through
+    those barriers (on this CPU) are JAX's."""
+    import aotgrad.trace
+    monkeypatch.setattr(aotgrad.trace, "device_count_of", lambda leaves: devices)
+    with aotgrad.config.patch(activation_memory_budget=0.0):
+        step = jax.jit(jax.grad(aotgrad.compile(relu_stack)))
+        text = step.trace(_params()).lower(lowering_platforms=("cuda",)).as_text()
+    weights = [t for operands in _barriers(text) for op, t in operands if op == "argument" and t == f"{D}x{D}xf32"]
+    assert len(weights) >= (L - 2 if devices > 1 else 0) and (devices > 1 or not weights), weights
+    monkeypatch.setattr(schedule, "tie_by_data", lambda: False)  # barriers on this CPU too
+    with aotgrad.config.patch(activation_memory_budget=0.0):
+        got = jax.jit(jax.grad(aotgrad.compile(relu_stack)))(_params())
+    jax.tree.map(_close, got, jax.grad(relu_stack)(_params()))
