@@ -32,7 +32,7 @@ class JointGraph:
     devices: int = 1
     # Per input, the axis split over the devices and over how many (`shards.input_splits`;
     # None: whole on each device). Empty: none split.
-    input_splits: tuple = ()
+    input_splits: tuple[tuple[int, int] | None, ...] = ()
 
     @property
     def eqns(self) -> list[JaxprEqn]:

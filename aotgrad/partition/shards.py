@@ -11,9 +11,11 @@ devices) is propagated forward through the graph, one rule per primitive: an axi
 followed through elementwise math, broadcasts, reshapes, transposes and matmuls (a batch
 or free dimension), and lost where it is summed over (a weight gradient's contraction
 over the batch: whole after its collective) or where a rule cannot follow it. Where no
-rule applies, an output of a split operand's shape keeps its axis (one more leading axis:
-a loop's stacked outputs, the next one). A value not found split counts whole: the
-estimate errs high, never low.
+rule applies, an output of a split operand's rank keeps its axis where that axis keeps its
+size (one more leading axis: a loop's stacked outputs, the next one). Values a split one is
+built from by elementwise math (a mask broadcast to its shape) are split as it is. Where
+the mesh's axes are explicit, each value's type says its sharding, and that is used. A
+value not found split counts whole: where unsure, the estimate errs high.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from aotgrad.partition import costs
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.rules import IN_PLACE, Kind, kind_of
 
-__all__ = ["Split", "per_device_bytes", "splits"]
+__all__ = ["Split", "input_splits", "per_device_bytes", "splits"]
 
 Split = tuple[int, int]  # (axis, over how many devices)
 Rule = Callable[[JaxprEqn, list["Split | None"]], list["Split | None"]]
@@ -163,7 +165,8 @@ def splits(graph: JointGraph) -> dict[Var, Split]:
     """The values split over the devices: their axis and over how many devices. Followed
     forward from the inputs, then back from each split elementwise result to its operands
     of the same shape that are not inputs (a mask or a scalar broadcast to a split
-    value's shape, a scatter's zeros: XLA splits them as their reader is), then forward again from those."""
+    value's shape, a scatter's zeros: XLA splits them as their reader is), then forward
+    again from those."""
     found: dict[Var, Split] = {v: s for v, s in zip(graph.inputs, graph.input_splits) if s is not None}
     if not found:
         return found
@@ -182,6 +185,8 @@ def splits(graph: JointGraph) -> dict[Var, Split]:
 
 
 def _forward(graph: JointGraph, found: dict[Var, Split]) -> None:
+    """One pass in program order: each equation's outputs by its rule (as typed where the
+    mesh's axes are explicit); values already found keep their split."""
     for eqn in graph.eqns:
         if any(_explicit(getattr(v.aval, "sharding", None)) for v in eqn.outvars):  # as typed
             found.update((v, s) for v in eqn.outvars if (s := _from_spec(v.aval.sharding)) is not None)
@@ -214,7 +219,8 @@ def per_device_bytes(graph: JointGraph) -> Callable[[Var], int]:
     return size
 
 
-def input_splits(leaves: Sequence[object], differentiated: Sequence[bool], devices: int) -> tuple[Split | None, ...]:
+def input_splits(leaves: Sequence[object], differentiated: Sequence[bool],
+                 devices: int) -> tuple[Split | None, ...]:
     """Per step input, the axis split over the devices: the first its sharding names
     (visible while tracing where the mesh's axes are explicit); where none is visible
     (automatic axes: XLA decides the layout later), the leading axis of an input that is
