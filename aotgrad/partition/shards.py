@@ -62,9 +62,7 @@ def _like_operand(eqn: JaxprEqn, ins: list[Split | None]) -> list[Split | None]:
 
 def _broadcast(eqn: JaxprEqn, ins: list[Split | None]) -> list[Split | None]:
     s = ins[0]
-    if s is None:
-        return _like_operand(eqn, ins)
-    return [(int(eqn.params["broadcast_dimensions"][s[0]]), s[1])]
+    return [None if s is None else (int(eqn.params["broadcast_dimensions"][s[0]]), s[1])]
 
 
 def _transpose(eqn: JaxprEqn, ins: list[Split | None]) -> list[Split | None]:
@@ -72,20 +70,16 @@ def _transpose(eqn: JaxprEqn, ins: list[Split | None]) -> list[Split | None]:
     return [None if s is None else (tuple(eqn.params["permutation"]).index(s[0]), s[1])]
 
 
-def _reduce(eqn: JaxprEqn, ins: list[Split | None]) -> list[Split | None]:
-    """Summed (or maxed) over the split axis: whole; else the axis shifts left past the
-    reduced ones."""
-    s, axes = ins[0], tuple(eqn.params["axes"])
-    if s is None or s[0] in axes:
-        return [None] * len(eqn.outvars)
-    return [(s[0] - sum(a < s[0] for a in axes), s[1])] * len(eqn.outvars)
-
-
-def _squeeze(eqn: JaxprEqn, ins: list[Split | None]) -> list[Split | None]:
-    s, dims = ins[0], tuple(eqn.params["dimensions"])
-    if s is None or s[0] in dims:
-        return [None]
-    return [(s[0] - sum(d < s[0] for d in dims), s[1])]
+def _dropping(param: str) -> Rule:
+    """The rule of equations that drop the axes their `param` names (a reduction's
+    `axes`, a squeeze's `dimensions`): the split axis dropped (summed or maxed over) is
+    lost, whole; else it shifts left past the dropped ones."""
+    def rule(eqn: JaxprEqn, ins: list[Split | None]) -> list[Split | None]:
+        s, dropped = ins[0], tuple(eqn.params[param])
+        if s is None or s[0] in dropped:
+            return [None] * len(eqn.outvars)
+        return [(s[0] - sum(d < s[0] for d in dropped), s[1])] * len(eqn.outvars)
+    return rule
 
 
 def _reshape(eqn: JaxprEqn, ins: list[Split | None]) -> list[Split | None]:
@@ -125,7 +119,7 @@ def _constraint(eqn: JaxprEqn, ins: list[Split | None]) -> list[Split | None]:
     """A sharding the program names: its first sharded axis, over as many devices as the
     mesh axes it names."""
     found = _from_spec(eqn.params.get("sharding"))
-    return [found] if found is not None or not ins or ins[0] is None else _like_operand(eqn, ins)
+    return [found] if found is not None else _like_operand(eqn, ins)
 
 
 def _from_spec(sharding: object) -> Split | None:
@@ -153,10 +147,10 @@ _RULES: dict[object, Rule] = {
     P.broadcast_in_dim_p: _broadcast,
     P.transpose_p: _transpose,
     P.reshape_p: _reshape,
-    P.squeeze_p: _squeeze,
+    P.squeeze_p: _dropping("dimensions"),
     P.dot_general_p: _dot_general,
     P.sharding_constraint_p: _constraint,
-    **{p: _reduce for p in (P.reduce_sum_p, P.reduce_max_p, P.reduce_min_p, P.reduce_prod_p, P.argmax_p,
+    **{p: _dropping("axes") for p in (P.reduce_sum_p, P.reduce_max_p, P.reduce_min_p, P.reduce_prod_p, P.argmax_p,
                             P.argmin_p, P.reduce_and_p, P.reduce_or_p)},
 }
 
