@@ -18,6 +18,7 @@ import pytest
 import aotgrad
 from aotgrad.partition import schedule
 from aotgrad.partition.graph import reachable
+from jax.extend.core import Var
 from cuts import cheapest, joint_graph
 
 L, B, D = 4, 16, 32
@@ -285,6 +286,36 @@ def test_a_weight_gradient_is_waited_for_where_its_operands_outweigh_it(rows, wi
     ends = schedule._finished(eqns, is_bwd, readers, frozenset({w}), 8)
     assert bool(ends[weight_grad]) == waits, ends
     assert [i for i, e in enumerate(ends) if e] == ([weight_grad] if waits else [])
+
+
+def test_a_scatter_add_reading_recomputed_indices_is_not_waited_for() -> None:
+    """With 8 devices, a matmul that reads a recomputed value last is waited for (a weight
+    gradient's); a cross-entropy's gradient, a scatter-add that reads the recomputed
+    label indices last, is not: it is no weight gradient, and passed through the next
+    barrier it was held there, beside the logits, until the layers' recomputation began
+    (a scanned GPT-2 small on 8 data-parallel H100s: 4.60 GB of activations at budget 0.2
+    against 4.42)."""
+    rows, width, vocab = 64, 8, 16
+
+    def backward(x, w, labels, g):
+        idx = labels * 2  # recomputed: reads no cotangent
+        h = jnp.tanh(x @ w)
+        d = jnp.zeros((rows, vocab)).at[jnp.arange(rows), idx].add(g)
+        return h.T @ d
+    args = [jnp.zeros((rows, width)), jnp.zeros((width, width)), jnp.zeros((rows,), jnp.int32),
+            jnp.zeros((rows,))]
+    jaxpr = jax.make_jaxpr(backward)(*args).jaxpr
+    eqns = jaxpr.eqns
+    from_g = reachable(eqns, [jaxpr.invars[-1]])
+    is_bwd = [any(isinstance(v, Var) and v in from_g for v in e.invars) for e in eqns]
+    position = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    readers = [[j for j, r in enumerate(eqns) if any(isinstance(v, Var) and position.get(v) == i for v in r.invars)]
+               for i in range(len(eqns))]
+    scatter = next(i for i, e in enumerate(eqns) if e.primitive is jax.lax.scatter_add_p)
+    weight_grad = len(eqns) - 1
+    assert eqns[weight_grad].primitive is jax.lax.dot_general_p and is_bwd[scatter]
+    ends = schedule._finished(eqns, is_bwd, readers, frozenset({jaxpr.invars[1]}), 8)
+    assert [i for i, e in enumerate(ends) if e] == [weight_grad], ends
 
 
 @pytest.mark.parametrize("devices", [8, 1])

@@ -41,10 +41,10 @@ The candidates:
   GPT with D=1024, whose peak is in a layer's backward, keeps it at budget 0 only in a
   jitted step (docs/benchmarks.md).
   (With every point free as well as the head, 8 data-parallel H100s peaked 1.4x higher.)
-- The shapes of the checkpoint policies: the layer points (every one, every second) free
-  to save together with every matmul output (`dots_saveable`) or those without batch
-  dimensions (`dots_with_no_batch_dims_saveable`), and the loss head where the device
-  keeps it: the rest of each layer is recomputed from them. Pricing alone never finds
+- The shapes of the checkpoint policies: every matmul output (`dots_saveable`) or those
+  without batch dimensions (`dots_with_no_batch_dims_saveable`) free to save, with no
+  layer point, every one or every second free beside them (`policy_points`), and the
+  loss head where the device keeps it: the rest of each layer is recomputed from them. Pricing alone never finds
   these: they save more bytes than the cuts of the same cost. GPT-2 small on an H100:
   budget 0.18 takes the second, within 1.02x of that policy's peak, bytes and FLOPs.
 
@@ -216,9 +216,20 @@ def _with_boundaries(problem: Problem, relaxed: np.ndarray, stacked: bool = Fals
         for points_free in spaced or [free]:
             cuts += _priced(problem, relaxed, np.concatenate([points_free, loss_head]), PRICES[-1:])
     for dots in matmul_outputs(problem):  # the shapes of the checkpoint policies (above)
-        for points_free in [free, *spaced]:
+        for points_free in policy_points(free, spaced):
             cuts += _priced(problem, relaxed, np.concatenate([points_free, dots, loss_head]), PRICES[-1:])
     return cuts
+
+
+def policy_points(free: np.ndarray, spaced: list[np.ndarray]) -> list[np.ndarray]:
+    """The layer points free to save beside the matmul outputs in the policies' shapes:
+    none (the policy's own shape: what a matmul output does not give is recomputed from
+    the layer's input, saved at its price, or in a scan body carried), every point, every
+    second point. With every point free, a transformer block's body also saved its
+    residual stream after attention beside the projection's output it is recomputed from
+    (one activation more per layer: a scanned GPT-2 small peaked 1.046x
+    `dots_with_no_batch_dims_saveable`'s peak on an H100, and no budget met it)."""
+    return [free[:0], free, *spaced]
 
 
 def matmul_outputs(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
