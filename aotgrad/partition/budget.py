@@ -44,9 +44,10 @@ The candidates:
 - The shapes of the checkpoint policies: every matmul output (`dots_saveable`) or those
   without batch dimensions (`dots_with_no_batch_dims_saveable`) free to save, with no
   layer point, every one or every second free beside them (`policy_points`), and the
-  loss head where the device keeps it: the rest of each layer is recomputed from them. Pricing alone never finds
-  these: they save more bytes than the cuts of the same cost. GPT-2 small on an H100:
-  budget 0.18 takes the second, within 1.02x of that policy's peak, bytes and FLOPs.
+  loss head where the device keeps it: the rest of each layer is recomputed from them.
+  Pricing alone never finds these: they save more bytes than the cuts of the same cost.
+  GPT-2 small on an H100: budget 0.18 takes the second, within 1.02x of that policy's
+  peak, bytes and FLOPs; the scanned GPT-2 small, budget 0.36.
 
 A budget in bytes (`Bytes`, "12GB") is the limit itself: the cheapest candidate whose
 estimated step peak is at most that many bytes; if none is, `BudgetUnreachable` names the
