@@ -84,7 +84,8 @@ if TYPE_CHECKING:  # min_cut imports scan, which imports scan_schedule from here
     from aotgrad.partition.min_cut import Cut, Problem
 
 __all__ = ["FUSED_REASON", "GREEDY_STEPS", "PRICES", "Budget", "Bytes", "Choice", "ScanSchedule", "choices",
-           "is_fused_plan", "ladder", "matmul_outputs", "parse_bytes", "scan_schedule", "within_budget"]
+           "is_fused_plan", "ladder", "matmul_outputs", "parse_bytes", "policy_points", "scan_schedule",
+           "within_budget"]
 
 
 @dataclasses.dataclass(frozen=True)
