@@ -24,8 +24,9 @@ plugin (`pip install -e '.[gpu-target]'`); without it every case is skipped.
   sharded parameters it waits for the bias gradients too, within 1.02x of
   `nothing_saveable`'s peak.
 - A budget takes the candidate shaped as `dots_with_no_batch_dims_saveable` on each
-  layer and meets that policy on GPT-2 small and on a scanned GPT; budget 0.99 meets `dots_saveable`, with a
-  recomputed `exp` priced at the H100's special-function throughput.
+  layer and meets that policy on GPT-2 small and on a scanned GPT; budget 0.99 meets
+  `dots_saveable`, with a recomputed `exp` priced at the H100's special-function
+  throughput.
 - Saving a value inside a softmax costs a read of its row (XLA:GPU's one-kernel
   softmax splits): a transformer block saves the scores alone and moves fewer bytes.
 - The loss head's recomputation passes through no barrier: a GPT with a large vocabulary

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import Var
 
 import aotgrad
 from aotgrad.partition import schedule
 from aotgrad.partition.graph import reachable
-from jax.extend.core import Var
 from cuts import cheapest, joint_graph
 
 L, B, D = 4, 16, 32
