@@ -257,6 +257,19 @@ def test_a_group_waits_for_the_weight_gradient_that_ends_an_earlier_groups_value
     jax.tree.map(_close, got, jax.grad(relu_stack)(_params()))
 
 
+def _finished_on_8(jaxpr, cotangent, weight):
+    """`schedule._finished` on 8 devices for `jaxpr` taken as a backward: its equations
+    that read `cotangent` (transitively) are the backward's, `weight` is a step input.
+    Returns the equations, which are backward, and the ends."""
+    eqns = jaxpr.eqns
+    from_ct = reachable(eqns, [cotangent])
+    is_bwd = [any(isinstance(v, Var) and v in from_ct for v in e.invars) for e in eqns]
+    position = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    readers = [[j for j, r in enumerate(eqns) if any(isinstance(v, Var) and position.get(v) == i for v in r.invars)]
+               for i in range(len(eqns))]
+    return eqns, is_bwd, schedule._finished(eqns, is_bwd, readers, frozenset({weight}), 8)
+
+
 @pytest.mark.parametrize("rows, width, waits", [(512, 8, True), (64, 64, False)])
 def test_a_weight_gradient_is_waited_for_where_its_operands_outweigh_it(rows, width, waits) -> None:
     """With 8 devices, a weight gradient's matmul (dW = h^T g, its result reaching no later
@@ -276,14 +289,8 @@ def test_a_weight_gradient_is_waited_for_where_its_operands_outweigh_it(rows, wi
     args = [jnp.zeros((rows, width)), jnp.zeros((rows, width)), jnp.zeros((width, width))]
     jaxpr = jax.make_jaxpr(backward)(*args).jaxpr
     h, g, w = jaxpr.invars
-    eqns = jaxpr.eqns
-    from_g = reachable(eqns, [g])
-    is_bwd = [any(v in from_g for v in e.invars) for e in eqns]
-    position = {v: i for i, e in enumerate(eqns) for v in e.outvars}
-    readers = [[j for j, r in enumerate(eqns) if any(position.get(v) == i for v in r.invars)]
-               for i in range(len(eqns))]
+    eqns, _, ends = _finished_on_8(jaxpr, g, w)
     weight_grad = next(i for i, e in enumerate(eqns) if h in e.invars)
-    ends = schedule._finished(eqns, is_bwd, readers, frozenset({w}), 8)
     assert bool(ends[weight_grad]) == waits, ends
     assert [i for i, e in enumerate(ends) if e] == ([weight_grad] if waits else [])
 
@@ -305,16 +312,10 @@ def test_a_scatter_add_reading_recomputed_indices_is_not_waited_for() -> None:
     args = [jnp.zeros((rows, width)), jnp.zeros((width, width)), jnp.zeros((rows,), jnp.int32),
             jnp.zeros((rows,))]
     jaxpr = jax.make_jaxpr(backward)(*args).jaxpr
-    eqns = jaxpr.eqns
-    from_g = reachable(eqns, [jaxpr.invars[-1]])
-    is_bwd = [any(isinstance(v, Var) and v in from_g for v in e.invars) for e in eqns]
-    position = {v: i for i, e in enumerate(eqns) for v in e.outvars}
-    readers = [[j for j, r in enumerate(eqns) if any(isinstance(v, Var) and position.get(v) == i for v in r.invars)]
-               for i in range(len(eqns))]
+    eqns, is_bwd, ends = _finished_on_8(jaxpr, jaxpr.invars[-1], jaxpr.invars[1])
     scatter = next(i for i, e in enumerate(eqns) if e.primitive is jax.lax.scatter_add_p)
     weight_grad = len(eqns) - 1
     assert eqns[weight_grad].primitive is jax.lax.dot_general_p and is_bwd[scatter]
-    ends = schedule._finished(eqns, is_bwd, readers, frozenset({jaxpr.invars[1]}), 8)
     assert [i for i, e in enumerate(ends) if e] == [weight_grad], ends
 
 

@@ -150,8 +150,8 @@ _RULES: dict[object, Rule] = {
     P.squeeze_p: _dropping("dimensions"),
     P.dot_general_p: _dot_general,
     P.sharding_constraint_p: _constraint,
-    **{p: _dropping("axes") for p in (P.reduce_sum_p, P.reduce_max_p, P.reduce_min_p, P.reduce_prod_p, P.argmax_p,
-                            P.argmin_p, P.reduce_and_p, P.reduce_or_p)},
+    **dict.fromkeys((P.reduce_sum_p, P.reduce_max_p, P.reduce_min_p, P.reduce_prod_p, P.argmax_p, P.argmin_p,
+                     P.reduce_and_p, P.reduce_or_p), _dropping("axes")),
 }
 
 
