@@ -4,7 +4,7 @@
 (argument 0). Builders are registered in `BUILDERS` under the `kind` a suite file names.
 
 Every builder takes `remat`, a function wrapper applied to each layer (a transformer
-block, an MLP layer, a convolution stage, the RNN cell, the scanned GPT's scan body):
+block (a GPT's or a ViT's), an MLP layer, a convolution stage, the RNN cell, the scanned GPT's scan body):
 the `jax.checkpoint` strategies pass `functools.partial(jax.checkpoint, policy=...)`, as a
 JAX user puts `jax.checkpoint` on each layer. The default leaves layers as they are.
 """
@@ -113,16 +113,17 @@ def _block_params(keys: _Keys, d_model: int) -> Params:
     }
 
 
-def _block(p: Params, x: jax.Array, heads: int) -> jax.Array:
-    """Pre-LN transformer block: causal multi-head attention, then a tanh-GELU 4x MLP."""
+def _block(p: Params, x: jax.Array, heads: int, causal: bool = True) -> jax.Array:
+    """Pre-LN transformer block: multi-head attention (causal unless `causal` is False),
+    then a tanh-GELU 4x MLP."""
     b, t, d = x.shape
     dh = d // heads
     h = layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"])
     qkv = h @ p["qkv"]["w"] + p["qkv"]["b"]
     q, k, v = (z.reshape(b, t, heads, dh) for z in jnp.split(qkv, 3, axis=-1))
     scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(dh)
-    causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    if causal:
+        scores = jnp.where(jnp.tril(jnp.ones((t, t), jnp.bool_)), scores, jnp.finfo(jnp.float32).min)
     attn = jax.nn.softmax(scores, axis=-1)
     o = jnp.einsum("bhts,bshd->bthd", attn, v).reshape(b, t, d)
     x = x + o @ p["proj"]["w"] + p["proj"]["b"]
@@ -205,6 +206,36 @@ def _gpt_head(params: Params, x: jax.Array, batch: Batch) -> jax.Array:
     return _cross_entropy(x @ params["wte"].T, batch["targets"])
 
 
+def vit(seed: int = 0, *, batch: int, image: int, patch: int, d_model: int, heads: int, layers: int,
+        classes: int, remat: Remat = _plain) -> tuple[LossFn, Params, Batch]:
+    """Vision transformer: non-overlapping `patch` x `patch` patches of an NHWC image
+    projected to `d_model` plus learned positions, `layers` pre-LN blocks with
+    bidirectional attention (a Python loop), final LayerNorm, global average pool over the
+    patches, a dense classifier, softmax cross-entropy."""
+    keys = _Keys(seed)
+    params = {
+        "patch": {"w": _dense(keys, patch * patch * 3, d_model), "b": jnp.zeros((d_model,), jnp.float32)},
+        "pos": jax.random.normal(keys(), ((image // patch) ** 2, d_model), jnp.float32) * 0.02,
+        "blocks": [_block_params(keys, d_model) for _ in range(layers)],
+        "ln_f": {"scale": jnp.ones((d_model,), jnp.float32), "bias": jnp.zeros((d_model,), jnp.float32)},
+        "head": {"w": _dense(keys, d_model, classes), "b": jnp.zeros((classes,), jnp.float32)},
+    }
+    data = {"images": jax.random.normal(keys(), (batch, image, image, 3), jnp.float32),
+            "labels": jax.random.randint(keys(), (batch,), 0, classes, jnp.int32)}
+    block = remat(functools.partial(_block, heads=heads, causal=False))
+
+    def loss_fn(params: Params, batch: Batch) -> jax.Array:
+        b, n = batch["images"].shape[0], image // patch
+        x = batch["images"].reshape(b, n, patch, n, patch, 3).transpose(0, 1, 3, 2, 4, 5)
+        x = x.reshape(b, n * n, patch * patch * 3) @ params["patch"]["w"] + params["patch"]["b"] + params["pos"]
+        for p in params["blocks"]:
+            x = block(p, x)
+        x = jnp.mean(layer_norm(x, params["ln_f"]["scale"], params["ln_f"]["bias"]), axis=1)
+        return _cross_entropy(x @ params["head"]["w"] + params["head"]["b"], batch["labels"])
+
+    return loss_fn, params, data
+
+
 # ----------------------------------------------------------------------------- conv net
 
 def convnet(seed: int = 0, *, batch: int, image: int, channels: list[int],
@@ -276,6 +307,7 @@ BUILDERS: dict[str, Callable[..., tuple[LossFn, Params, Batch]]] = {
     "transformer_block": transformer_block,
     "gpt": gpt,
     "gpt_scan": gpt_scan,
+    "vit": vit,
     "convnet": convnet,
     "rnn": rnn,
 }

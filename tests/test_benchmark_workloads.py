@@ -13,6 +13,7 @@ from benchmarks.strategies import CHECKPOINT_STRATEGIES, ProgramMemory, prepare
 from benchmarks.workloads import build
 
 GPT = dict(batch=2, seq=8, d_model=16, heads=2, layers=3, vocab=32)
+VIT = dict(batch=2, image=8, patch=4, d_model=16, heads=2, layers=2, classes=3)
 
 
 def _close(a, b, tol: float = 1e-5) -> None:
@@ -35,7 +36,7 @@ def test_scanned_gpt_is_the_unrolled_gpt() -> None:
 
 @pytest.mark.parametrize("kind,sizes", [
     ("gpt", GPT), ("gpt_scan", GPT), ("mlp", dict(batch=4, width=8, depth=2)),
-    ("transformer_block", dict(batch=2, seq=8, d_model=16, heads=2)),
+    ("transformer_block", dict(batch=2, seq=8, d_model=16, heads=2)), ("vit", VIT),
     ("convnet", dict(batch=2, image=8, channels=[4, 8], classes=3)),
     ("rnn", dict(batch=2, seq=4, d_in=3, hidden=5)),
 ])
@@ -47,6 +48,21 @@ def test_layer_remat_changes_what_is_saved_not_the_values(kind: str, sizes: dict
         "remat= must wrap the model's layers"
     _close(jax.jit(jax.grad(plain.loss_fn))(plain.params, plain.batch),
            jax.jit(jax.grad(remat.loss_fn))(plain.params, plain.batch))
+
+
+def test_the_vit_attends_both_ways() -> None:
+    """Without positions, a ViT with bidirectional attention and average pooling does not
+    depend on the order of its patches: swapping two changes no loss. Under a causal mask
+    (a GPT's block) it would."""
+    w = build("vit", "vit", VIT)
+    assert w.params["pos"].shape == ((8 // 4) ** 2, 16)
+    params = dict(w.params, pos=np.zeros_like(w.params["pos"]))
+    images = np.asarray(w.batch["images"])
+    swapped = images.copy()
+    swapped[:, :4, :4], swapped[:, 4:, 4:] = images[:, 4:, 4:], images[:, :4, :4]
+    loss = jax.jit(w.loss_fn)
+    _close(loss(params, w.batch), loss(params, dict(w.batch, images=swapped)))
+    assert abs(float(loss(w.params, w.batch)) - float(loss(w.params, dict(w.batch, images=swapped)))) > 1e-6
 
 
 def test_checkpoint_strategies_lower_the_peak_of_a_scanned_model() -> None:

@@ -3,6 +3,7 @@ command line and in-process; suite files that parse; registry pick-up; failures 
 are reported and do not stop the run. Takes a few seconds."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -210,3 +211,29 @@ def test_on_device_run_reports_each_strategy_and_continues_past_failures(tmp_pat
         assert r["xla_peak"] > r["inputs"] and r["flops"] > 0
         assert r["allocator_peak"] is None or r["allocator_peak"] > 0
     assert "aotgrad:min_cut@0" in proc.stdout and "failed: " in proc.stdout
+
+
+def test_async_slices_are_counted_at_the_bytes_they_move() -> None:
+    """XLA:TPU copies a weight into on-chip memory in four asynchronous slices, and XLA's
+    cost analysis charges each the whole weight (a synchronous slice is charged its
+    output): the compile-only table also shows the bytes with each slice at its size.
+    The lines are from a GPT step compiled for a TPU v5e; the slice-done and the fusion
+    reading a slice are not slice-starts and count nothing."""
+    from benchmarks import targets
+    hlo = """
+  %slice-start.1052 = ((f32[768,2304]{1,0:T(8,128)}), f32[192,2304]{1,0:T(8,128)S(1)}, s32[]{:S(2)}) slice-start(%params__blocks___0___qkv____w__.1), slice={[0:192], [0:2304]}, backend_config={"dma_priority":1}
+  %slice-start = ((pred[1024,1024]{0,1:T(8,128)(4,1)}), pred[1024,256]{0,1:T(8,128)(4,1)S(1)}, s32[]{:S(2)}) slice-start(%copy-done.2), slice={[0:1024], [0:256]}
+  %slice-done.1052 = f32[192,2304]{1,0:T(8,128)S(1)} slice-done(%slice-start.1052)
+  %fusion.7 = f32[8,1024,2304]{2,1,0} fusion(%slice-done.1052), kind=kOutput, calls=%fused_computation.7
+"""
+    weight, chunk = 768 * 2304 * 4, 192 * 2304 * 4
+    mask, mask_chunk = 1024 * 1024, 1024 * 256
+    assert targets.async_slice_excess(hlo) == (weight - chunk) + (mask - mask_chunk)
+    assert targets.async_slice_excess(hlo.replace("slice-start(", "slice(")) == 0
+
+    row = targets.TargetRow("gpt", "fused", 10, 5, 100e9, 1e12, 1.0, slice_excess=30e9)
+    assert row.bytes_moved == 70e9
+    with_slices = targets.format_rows([row], "tpu")
+    assert "slices as moved" in with_slices and "70.00" in with_slices
+    plain = targets.format_rows([dataclasses.replace(row, slice_excess=0.0)], "h100")
+    assert "slices as moved" not in plain
