@@ -7,10 +7,11 @@ the order the program is emitted: the backward's recomputation just before its f
 where `schedule.tie` holds it there, and at the backward's start where nothing does (XLA
 starts independent work early). A temporary is counted only if XLA would write it to
 memory: not an elementwise value read by one elementwise equation or one reduction, which
-fuses into it (a value with two readers is written: XLA keeps a batch norm's centred input,
-say, for its backward), and not beside an operand whose buffer it takes: an elementwise
-result writes over a same-sized operand read for the last time, a scatter or an update
-in place over its first operand.
+fuses into it (a value with two readers is written: XLA:CPU keeps a batch norm's centred
+input, say, for its backward; XLA:GPU computes cheap elementwise work again in each reader
+instead, keeping its operand: `rules.duplicated`), and not beside an operand whose buffer
+it takes: an elementwise result writes over a same-sized operand read for the last time, a
+scatter or an update in place over its first operand.
 
 Which programs: a call run as it comes (eagerly) runs the forward and the backward as two
 programs, and the step's peak is the larger of theirs, the saved values arguments of the
@@ -19,13 +20,14 @@ forward then the backward, where each saved value is freed after its last reader
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable, Sequence
 
 from jax.extend.core import JaxprEqn, Var
 
 from aotgrad.partition import costs, schedule
 from aotgrad.partition.graph import JointGraph, live_eqns
-from aotgrad.partition.rules import IN_PLACE, Kind, kind_of
+from aotgrad.partition.rules import IN_PLACE, Kind, duplicated, kind_of
 from aotgrad.partition.shards import per_device_bytes
 
 __all__ = ["estimate"]
@@ -48,11 +50,13 @@ def estimate(graph: JointGraph, saved: Iterable[Var], backward_order: Sequence[i
     forward = [graph.eqns[i] for i in fwd_idx]
     backward = _untied_first(graph, [graph.eqns[i] for i in backward_order])
     size = per_device_bytes(graph)
+    platform = None if graph.device is None else graph.device.platform
+    copied = functools.partial(duplicated, platform=platform)
     if graph.staged:
         return _program_peak(forward + backward, list(graph.inputs) + list(graph.cotangents),
-                             list(graph.outputs) + list(graph.grads), size)
-    return max(_program_peak(forward, list(graph.inputs), list(graph.outputs) + activations, size),
-               _program_peak(backward, saved + list(graph.cotangents), list(graph.grads), size))
+                             list(graph.outputs) + list(graph.grads), size, copied)
+    return max(_program_peak(forward, list(graph.inputs), list(graph.outputs) + activations, size, copied),
+               _program_peak(backward, saved + list(graph.cotangents), list(graph.grads), size, copied))
 
 
 def _untied_first(graph: JointGraph, eqns: list[JaxprEqn]) -> list[JaxprEqn]:
@@ -73,8 +77,11 @@ def _untied_first(graph: JointGraph, eqns: list[JaxprEqn]) -> list[JaxprEqn]:
 
 
 def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
-                  size: Callable[[Var], int] = lambda v: costs.nbytes(v.aval)) -> int:
+                  size: Callable[[Var], int] = lambda v: costs.nbytes(v.aval),
+                  duplicated: Callable[[JaxprEqn], bool] = lambda e: False) -> int:
     """Arguments + outputs + the most temporaries live at once, running `eqns` in order.
+    A value `duplicated` says XLA computes again in each fusing reader is not written for
+    a second one: its operands are read there instead, and live until then.
     A result takes the buffer of an operand read for the last time by the same equation
     where XLA reuses it: an elementwise result of the operand's size (a fused loop writes
     over its input), an update in place (`IN_PLACE`) over its first operand. A variable
@@ -88,14 +95,22 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
     reads: list[list[Value]] = []  # each equation's operands, once each
     last: dict[Value, int] = {}
     written: set[Value] = set()
+    copied = [duplicated(e) for e in eqns]
+
+    def read(u: Value, i: int, fuses: bool) -> None:
+        j = u[1]
+        if fuses and u in last and u not in written and j >= 0 and copied[j]:
+            for w in reads[j]:  # computed again inside reader i, from its operands
+                read(w, i, True)
+        elif not fuses or u in last:  # a second reader: XLA writes it
+            written.add(u)
+        last[u] = max(last.get(u, i), i)
+
     for i, e in enumerate(eqns):
-        reader_fuses = kinds[i] in _READ_FUSED
         ins = [(v, bound.get(v, -1)) for v in e.invars if isinstance(v, Var)]
-        for u in ins:
-            if not reader_fuses or u in last:  # a second reader: XLA writes it
-                written.add(u)
-            last[u] = i
         reads.append(list(dict.fromkeys(ins)))
+        for u in ins:
+            read(u, i, kinds[i] in _READ_FUSED)
         bound.update((v, i) for v in e.outvars if isinstance(v, Var))
     held: dict[Value, int] = {}  # temporaries in memory: their bytes
     frees: dict[int, list[Value]] = {}

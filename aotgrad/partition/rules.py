@@ -38,13 +38,13 @@ import warnings
 from typing import Any, Iterable
 
 import jax.extend.core.primitives as P
-from jax.extend.core import Primitive
+from jax.extend.core import Primitive, Var
 
 from aotgrad._jax_internals import jax_primitives
 from aotgrad._jax_internals import primitives as I
 from aotgrad.interpret import sub_jaxprs
 
-__all__ = ["FALLBACK", "FLOAT_EQUALITY", "IN_PLACE", "MATMULS", "Kind", "RULES", "kind_of", "register", "sub_jaxprs",
+__all__ = ["FALLBACK", "FLOAT_EQUALITY", "IN_PLACE", "duplicated", "MATMULS", "Kind", "RULES", "kind_of", "register", "sub_jaxprs",
            "without_rule"]
 
 
@@ -143,6 +143,37 @@ FLOAT_EQUALITY = frozenset({P.eq_p, P.ne_p})
 # that operand afterwards (an update in place: the operand is copied first otherwise).
 IN_PLACE = frozenset({P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p,
                       P.dynamic_update_slice_p})
+
+# Elementwise work XLA:GPU's fusion computes again inside each fusion that reads it rather
+# than writing it once for its several readers: what its fusion does not count as
+# expensive (arithmetic, selects, comparisons, casts, broadcasts, reshapes; and in 32- and
+# 16-bit floats division, exp and square roots, which its kernels compute at the
+# special-function units' rate).
+_DUPLICATED_ON_GPU = frozenset({
+    P.add_p, P.sub_p, P.mul_p, P.neg_p, P.max_p, P.min_p, P.abs_p, P.sign_p, P.select_n_p, P.clamp_p,
+    P.convert_element_type_p, P.broadcast_in_dim_p, P.reshape_p, P.squeeze_p, P.integer_pow_p, P.square_p,
+    P.eq_p, P.ne_p, P.lt_p, P.le_p, P.gt_p, P.ge_p, P.and_p, P.or_p, P.not_p, P.add_jaxvals_p,
+})
+_FAST_MATH_ON_GPU = frozenset({P.div_p, P.exp_p, P.sqrt_p, P.rsqrt_p})
+_FAST_MATH_DTYPES = frozenset({"float32", "float16", "bfloat16"})
+
+
+def duplicated(eqn: Any, platform: str | None) -> bool:
+    """Whether XLA, compiling for `platform`, computes `eqn`'s result again inside each
+    fusion that reads it rather than writing it once to memory: on a GPU, cheap elementwise
+    work (above) with at most one operand of its result's size, the others smaller (a
+    row's mean, a scale, a bias). That operand is then read where the result is, and stays
+    live until its last reader: a layer norm's centred input is not kept for the backward,
+    its input is. A sum of two full-size values (a residual connection) is written."""
+    if platform != "gpu":
+        return False
+    if eqn.primitive not in _DUPLICATED_ON_GPU and not (
+            eqn.primitive in _FAST_MATH_ON_GPU
+            and all(str(v.aval.dtype) in _FAST_MATH_DTYPES for v in eqn.outvars)):
+        return False
+    size = max(v.aval.size for v in eqn.outvars)
+    return len({v for v in eqn.invars if isinstance(v, Var) and v.aval.size >= size}) <= 1
+
 
 # Calls are as costly as the worst equation in their body (a relu's custom_jvp_call is cheap,
 # a `jax.checkpoint` of pointwise math is cheap).
