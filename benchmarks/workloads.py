@@ -3,10 +3,11 @@
 `loss_fn(params, batch) -> scalar`; the suite differentiates it with respect to `params`
 (argument 0). Builders are registered in `BUILDERS` under the `kind` a suite file names.
 
-Every builder takes `remat`, a function wrapper applied to each layer (a transformer
-block (a GPT's or a ViT's), an MLP layer, a convolution stage, the RNN cell, the scanned GPT's scan body):
-the `jax.checkpoint` strategies pass `functools.partial(jax.checkpoint, policy=...)`, as a
-JAX user puts `jax.checkpoint` on each layer. The default leaves layers as they are.
+Every builder takes `remat`, a function wrapper applied to each layer (a GPT's or a ViT's
+transformer block, an MLP layer, a convolution stage, the RNN cell, the scanned GPT's scan
+body): the `jax.checkpoint` strategies pass `functools.partial(jax.checkpoint,
+policy=...)`, as a JAX user puts `jax.checkpoint` on each layer. The default leaves layers
+as they are.
 """
 from __future__ import annotations
 

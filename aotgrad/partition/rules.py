@@ -44,8 +44,8 @@ from aotgrad._jax_internals import jax_primitives
 from aotgrad._jax_internals import primitives as I
 from aotgrad.interpret import sub_jaxprs
 
-__all__ = ["FALLBACK", "FLOAT_EQUALITY", "IN_PLACE", "duplicated", "MATMULS", "Kind", "RULES", "kind_of", "register", "sub_jaxprs",
-           "without_rule"]
+__all__ = ["FALLBACK", "FLOAT_EQUALITY", "IN_PLACE", "MATMULS", "Kind", "RULES", "duplicated", "kind_of", "register",
+           "sub_jaxprs", "without_rule"]
 
 
 class Kind(enum.Enum):
