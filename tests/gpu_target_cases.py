@@ -110,6 +110,16 @@ def _peak(w, args, budget=None):
     return xla_peak(m)
 
 
+def _h100_row(kind, sizes, strategy, devices=1, sharding="dp"):
+    """The compile-only benchmark's row of one strategy on the workload `kind` at `sizes`
+    (activation peak, HLO bytes accessed, FLOPs), on `devices` H100s; it must compile."""
+    from benchmarks import targets
+    row, = targets.run_target("h100", [(kind, kind, sizes)], strategies=[strategy], log=lambda _: None,
+                              devices=devices, sharding=sharding)
+    assert row.error is None, row.error
+    return row
+
+
 def test_the_h100_step_waits_through_barriers_the_host_step_through_data(h100_args):
     w, args = h100_args
     gpu = _lowered_text(w, args, CHEAPEST)
@@ -231,14 +241,10 @@ def test_row_reductions_priced_as_fused_move_fewer_bytes_on_the_h100(monkeypatch
     with those reductions priced as re-reads, at about the same peak."""
     import dataclasses
     from aotgrad import devices
-    from benchmarks import targets
     sizes = dict(batch=32, seq=128, d_model=256, heads=8, layers=4, vocab=1024)
 
     def budget_zero():
-        row = targets.run_target("h100", [("gpt", "gpt", sizes)], strategies=["aotgrad:min_cut@0"],
-                                 log=lambda _: None)[0]
-        assert row.error is None, row.error
-        return row
+        return _h100_row("gpt", sizes, "aotgrad:min_cut@0")
     fusing = budget_zero()
     monkeypatch.setattr(devices, "PROFILES", tuple(dataclasses.replace(p, row_reductions_fuse=False)
                                                    for p in devices.PROFILES))
@@ -255,11 +261,9 @@ def _gpt2_small(strategy, cached=True):
     """GPT-2 small (12 layers, D=768, batch 8 x 1024 tokens) compiled for one H100: the
     benchmark's row (activation peak, HLO bytes accessed, FLOPs). `cached=False` for a
     run under a monkeypatched partitioner."""
-    from benchmarks import targets
     if cached and strategy in _gpt2_small_rows:
         return _gpt2_small_rows[strategy]
-    row = targets.run_target("h100", [("gpt", "gpt", GPT2_SMALL)], strategies=[strategy], log=lambda _: None)[0]
-    assert row.error is None, row.error
+    row = _h100_row("gpt", GPT2_SMALL, strategy)
     if cached:
         _gpt2_small_rows[strategy] = row
     return row
@@ -342,12 +346,8 @@ def test_data_parallel_weight_gradients_do_not_wait_for_their_collective(monkeyp
 def _small_gpt_on_8(strategy: str, sharding: str) -> float:
     """The activation peak per device of a GPT (B32 x 512, D=512, 6 layers, vocabulary
     8000) on 8 H100s."""
-    from benchmarks import targets
     sizes = dict(batch=32, seq=512, d_model=512, heads=8, layers=6, vocab=8000)
-    row, = targets.run_target("h100", [("gpt", "gpt", sizes)], strategies=[strategy], log=lambda _: None,
-                              devices=8, sharding=sharding)
-    assert row.error is None, row.error
-    return row.activation_peak
+    return _h100_row("gpt", sizes, strategy, devices=8, sharding=sharding).activation_peak
 
 
 def test_sharded_bias_and_tied_weight_gradients_do_not_wait_for_their_collective(monkeypatch):
@@ -419,14 +419,10 @@ def test_a_budget_meets_dots_with_no_batch_dims_saveable_on_a_scanned_gpt(monkey
     Offered only with the layer points free too, the body also saved its residual stream
     after attention, and budget 0.5 took a cheaper cut at 1.03x the policy's FLOPs."""
     from aotgrad.partition import budget
-    from benchmarks import targets
     sizes = dict(batch=8, seq=512, d_model=512, heads=8, layers=6, vocab=8000)
 
     def row(strategy):
-        r, = targets.run_target("h100", [("gpt_scan", "gpt_scan", sizes)], strategies=[strategy],
-                                log=lambda _: None)
-        assert r.error is None, r.error
-        return r
+        return _h100_row("gpt_scan", sizes, strategy)
     policy = row("checkpoint:dots_with_no_batch_dims_saveable")
     ours = row("aotgrad:min_cut@0.5")
     for field in ("activation_peak", "bytes_accessed", "flops"):
@@ -434,13 +430,6 @@ def test_a_budget_meets_dots_with_no_batch_dims_saveable_on_a_scanned_gpt(monkey
     monkeypatch.setattr(budget, "policy_points", lambda free, spaced: [free, *spaced])
     without = row("aotgrad:min_cut@0.5")
     assert without.flops > 1.02 * policy.flops, (without, policy)
-
-
-def _h100_row(name, kind, sizes, strategy):
-    from benchmarks import targets
-    row, = targets.run_target("h100", [(name, kind, sizes)], strategies=[strategy], log=lambda _: None)
-    assert row.error is None, row.error
-    return row
 
 
 def test_cheap_elementwise_work_is_counted_where_xla_gpu_writes_it(monkeypatch):
@@ -456,17 +445,17 @@ def test_cheap_elementwise_work_is_counted_where_xla_gpu_writes_it(monkeypatch):
     from aotgrad.partition import peak
     vit = dict(batch=8, image=256, patch=16, d_model=384, heads=6, layers=12, classes=100)
     convnet = dict(batch=128, image=64, channels=[64, 128, 256, 512], classes=1000)
-    policy = _h100_row("vit", "vit", vit, "checkpoint:nothing_saveable")
-    ours = _h100_row("vit", "vit", vit, "aotgrad:min_cut@0")
+    policy = _h100_row("vit", vit, "checkpoint:nothing_saveable")
+    ours = _h100_row("vit", vit, "aotgrad:min_cut@0")
     for field in ("activation_peak", "bytes_accessed", "flops"):
         assert getattr(ours, field) <= 1.02 * getattr(policy, field), (field, ours, policy)
-    fused = _h100_row("convnet", "convnet", convnet, "fused")
-    conv = _h100_row("convnet", "convnet", convnet, "aotgrad:min_cut@0.36")
+    fused = _h100_row("convnet", convnet, "fused")
+    conv = _h100_row("convnet", convnet, "aotgrad:min_cut@0.36")
     assert conv.activation_peak < 0.9 * fused.activation_peak, (conv, fused)
     monkeypatch.setattr(peak, "duplicated", lambda eqn, platform: False)
-    written = _h100_row("vit", "vit", vit, "aotgrad:min_cut@0")
+    written = _h100_row("vit", vit, "aotgrad:min_cut@0")
     assert written.activation_peak > 1.02 * policy.activation_peak, (written, policy)
-    conv_written = _h100_row("convnet", "convnet", convnet, "aotgrad:min_cut@0.36")
+    conv_written = _h100_row("convnet", convnet, "aotgrad:min_cut@0.36")
     assert conv_written.activation_peak > fused.activation_peak, (conv_written, fused)
 
 
@@ -478,15 +467,11 @@ def test_saving_inside_a_softmax_costs_a_read_of_its_row_on_the_h100(monkeypatch
     too and moved 1.30x as many with jax 0.10.2's XLA:GPU."""
     import importlib
     import numpy as np
-    from benchmarks import targets
     min_cut = importlib.import_module("aotgrad.partition.min_cut")  # the package exports a function of that name
     sizes = dict(batch=4, seq=1024, d_model=256, heads=4)
 
     def bytes_moved():
-        row, = targets.run_target("h100", [("transformer_block", "transformer_block", sizes)],
-                                  strategies=["aotgrad:min_cut@0.5"], log=lambda _: None)
-        assert row.error is None, row.error
-        return row.bytes_accessed
+        return _h100_row("transformer_block", sizes, "aotgrad:min_cut@0.5").bytes_accessed
     priced = bytes_moved()
     monkeypatch.setattr(min_cut, "_row_reads", lambda graph, eqns, kinds, values: np.zeros(len(values)))
     assert priced < 0.9 * bytes_moved()
@@ -500,15 +485,11 @@ def test_the_loss_head_does_not_wait_on_the_h100(monkeypatch):
     the logits' gradient over them. With a barrier there the step held one logits-sized
     buffer more: 864 MB of activations against 623, 1.12x the bytes."""
     import importlib
-    from benchmarks import targets
     schedule = importlib.import_module("aotgrad.partition.schedule")
     sizes = dict(batch=4, seq=512, d_model=256, heads=4, layers=2, vocab=32000)
 
     def row():
-        r, = targets.run_target("h100", [("gpt", "gpt", sizes)], strategies=["aotgrad:min_cut@0.5"],
-                                log=lambda _: None)
-        assert r.error is None, r.error
-        return r
+        return _h100_row("gpt", sizes, "aotgrad:min_cut@0.5")
     free = row()
     monkeypatch.setattr(schedule, "_head", lambda eqns, is_bwd: 0)
     waiting = row()

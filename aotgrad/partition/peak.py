@@ -78,10 +78,11 @@ def _untied_first(graph: JointGraph, eqns: list[JaxprEqn]) -> list[JaxprEqn]:
 
 def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
                   size: Callable[[Var], int] = lambda v: costs.nbytes(v.aval),
-                  duplicated: Callable[[JaxprEqn], bool] = lambda e: False) -> int:
+                  recomputed_in_readers: Callable[[JaxprEqn], bool] = lambda e: False) -> int:
     """Arguments + outputs + the most temporaries live at once, running `eqns` in order.
-    A value `duplicated` says XLA computes again in each fusing reader is not written for
-    a second one: its operands are read there instead, and live until then.
+    A value whose equation XLA computes again in each fusing reader
+    (`recomputed_in_readers`, `rules.duplicated`) is not written for a second one: its
+    operands are read there instead, and live until then.
     A result takes the buffer of an operand read for the last time by the same equation
     where XLA reuses it: an elementwise result of the operand's size (a fused loop writes
     over its input), an update in place (`IN_PLACE`) over its first operand. A variable
@@ -95,7 +96,7 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
     reads: list[list[Value]] = []  # each equation's operands, once each
     last: dict[Value, int] = {}
     written: set[Value] = set()
-    copied = [duplicated(e) for e in eqns]
+    copied = [recomputed_in_readers(e) for e in eqns]
 
     def read(u: Value, i: int, fuses: bool) -> None:
         j = u[1]
@@ -104,7 +105,7 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
                 read(w, i, True)
         elif not fuses or u in last:  # a second reader: XLA writes it
             written.add(u)
-        last[u] = max(last.get(u, i), i)
+        last[u] = i  # equations are read in order: i is the latest reader yet
 
     for i, e in enumerate(eqns):
         ins = [(v, bound.get(v, -1)) for v in e.invars if isinstance(v, Var)]
