@@ -12,9 +12,9 @@ from typing import Any, Callable, Sequence
 from aotgrad.autocast.context import Setting, setting_inside, setting_of
 from aotgrad.autocast.rewrite import CastCounts, has_markers, rewrite_backward, rewrite_closed
 from aotgrad.config import BackwardAutocast, Snapshot
-from aotgrad.devices import DeviceProfile, profile_of
+from aotgrad.devices import DeviceProfile, device_count_of, profile_of
 from aotgrad.errors import BudgetUnreachable
-from aotgrad.partition import JointGraph, Split, partition, scan_rules
+from aotgrad.partition import JointGraph, Split, partition, scan_rules, shards
 from aotgrad.trace import ForwardTrace, trace_body_joint, trace_joint
 from aotgrad.trace import trace_forward as _trace
 
@@ -58,9 +58,15 @@ def autocast_backward(split: Split, fwd: ForwardTrace, mode: BackwardAutocast) -
     return dataclasses.replace(split, backward=backward), CastCounts(fwd.casts, casts)
 
 
-def _scan_rules(strategy: str, budget: Any, device: DeviceProfile) -> dict | None:
-    """The rules that cut scans at `budget`, their bodies priced for the step's device."""
-    return scan_rules(strategy, budget, functools.partial(trace_body_joint, device=device))
+def _scan_rules(strategy: str, budget: Any, device: DeviceProfile, fwd: ForwardTrace,
+                perturbed: tuple[bool, ...]) -> dict | None:
+    """The rules that cut scans at `budget`, their bodies priced for the step's device and
+    weighed per device (`shards`: which of the forward's values are split over them)."""
+    devices = device_count_of(fwd.in_avals)
+    jaxpr = fwd.jaxpr.jaxpr
+    splits = shards.of_eqns(jaxpr.eqns, [*jaxpr.constvars, *jaxpr.invars],
+                            shards.input_splits(fwd.in_avals, perturbed, devices))
+    return scan_rules(strategy, budget, functools.partial(trace_body_joint, device=device, devices=devices), splits)
 
 
 def _other_scan_levels(unreachable: BudgetUnreachable, fwd: ForwardTrace, perturbed: tuple[bool, ...],
@@ -71,7 +77,7 @@ def _other_scan_levels(unreachable: BudgetUnreachable, fwd: ForwardTrace, pertur
     highest level, may still fit; else the error names the smallest peak of all three."""
     smallest = unreachable.smallest
     for level in (0.0, 1.0):
-        rules = _scan_rules(strategy, level, device)
+        rules = _scan_rules(strategy, level, device, fwd, perturbed)
         if rules is None:
             break
         graph = trace_joint(fwd, perturbed, has_ct, rules, device, staged)
@@ -102,7 +108,7 @@ def build(fwd: ForwardTrace, perturbed: tuple[bool, ...], has_ct: tuple[bool, ..
     t0 = time.perf_counter()
     strategy, budget = options.partitioner, options.activation_memory_budget
     device = profile_of(fwd.in_avals)  # the arguments' devices: a compile-only target's too
-    graph = trace_joint(fwd, perturbed, has_ct, _scan_rules(strategy, budget, device), device, staged)
+    graph = trace_joint(fwd, perturbed, has_ct, _scan_rules(strategy, budget, device, fwd, perturbed), device, staged)
     t1 = time.perf_counter()
     try:
         sp = partition(graph, strategy, budget)

@@ -15,7 +15,7 @@ from aotgrad._jax_internals import bind_eqn
 from aotgrad.devices import DeviceProfile, device_count_of
 from aotgrad.interpret import INLINE_RULES, eval_jaxpr
 from aotgrad.partition.graph import JointGraph
-from aotgrad.partition.shards import input_splits
+from aotgrad.partition.shards import Split, input_splits
 from aotgrad.provenance import numbered
 from aotgrad.signature import check_output_leaves
 
@@ -121,13 +121,16 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
                       staged=staged, devices=devices, input_splits=input_splits(in_avals, perturbed, devices))
 
 
-def trace_body_joint(closed: ClosedJaxpr, avals: Sequence[Any], device: DeviceProfile | None = None) -> JointGraph:
+def trace_body_joint(closed: ClosedJaxpr, avals: Sequence[Any], splits: Sequence[Split | None] = (),
+                     device: DeviceProfile | None = None, devices: int = 1) -> JointGraph:
     """The joint graph of `closed` (no hoisted constants; inputs of `avals`: a scan body,
     `partition.scan`), every inexact input differentiated and every inexact output given
-    a cotangent; `device`: the step's, which the body is priced for."""
+    a cotangent; `device`: the step's, which the body is priced for; `splits`: each
+    input's split over the step's `devices` (`shards`: the body's bytes per device)."""
     fwd = ForwardTrace(closed, (), tuple(avals), None)
-    return trace_joint(fwd, tuple(map(differentiable, avals)), tuple(map(differentiable, closed.out_avals)),
-                       device=device)
+    graph = trace_joint(fwd, tuple(map(differentiable, avals)), tuple(map(differentiable, closed.out_avals)),
+                        device=device)
+    return dataclasses.replace(graph, devices=devices, input_splits=tuple(splits))
 
 
 def _zero_cotangent(aval: Any) -> Any:

@@ -421,3 +421,35 @@ def test_a_byte_budget_is_per_device():
                 assert_close(step(ws_s, x_s), want)
         assert smallest < whole / 3, (mode, smallest, whole)
         assert smallest / 2 < peak < 2 * smallest, (mode, smallest, peak)
+
+
+def test_a_scan_is_weighed_per_device():
+    """A scan's levels (each iteration's cut, or its carry every k-th iteration) are
+    weighed in bytes per device, as XLA's peak is: with the batch split over 8 devices, a
+    batch of 8 R rows is planned as one device plans R rows. The carry is split, the
+    stacked weights sliced per iteration are whole on each device; counted globally, the
+    carry looked 8 times its share and segments were taken where one device's bytes say
+    they do not lower the peak (R = 8: none), while where they do (R = 64) they are kept.
+    Gradients are JAX's; both meshes' axis types (with automatic axes the batch's split is
+    seen where it is not differentiated: `shards.input_splits`)."""
+    n, d = 12, 64
+
+    def fn(ws, x):
+        def body(h, w):
+            return jnp.tanh(h @ w), None
+        h, _ = lax.scan(body, x, ws)
+        return jnp.mean(h ** 2)
+
+    ws = _normal(0, n, d, d, scale=0.1)
+    for rows in (8, 64):
+        x = _normal(1, 8 * rows, d)
+        with aotgrad.config.patch(activation_memory_budget=0.0):
+            one = aotgrad.explain(aotgrad.compile(fn), ws, x[:rows], argnums=0).scan_segments
+            assert (one == ()) == (rows == 8), one
+            for mode in MODES:
+                mesh = jax.make_mesh((8,), ("data",), axis_types=(MODES[mode],))
+                ws_s, x_s = _put(mesh, ws), _put(mesh, x, "data")
+                with jax.set_mesh(mesh):
+                    f = aotgrad.compile(fn)
+                    assert aotgrad.explain(f, ws_s, x_s, argnums=0).scan_segments == one, (mode, rows)
+                    assert_close(jax.jit(jax.grad(f))(ws_s, x_s), jax.jit(jax.grad(fn))(ws_s, x_s))

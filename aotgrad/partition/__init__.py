@@ -11,6 +11,7 @@ from typing import Callable, Mapping
 
 from jax.extend.core import Var
 
+from aotgrad.partition import shards
 from aotgrad.partition.budget import Budget, is_fused_plan
 from aotgrad.partition.vjp import save_what_backward_reads
 from aotgrad.partition.graph import JointGraph
@@ -84,9 +85,11 @@ def partition(graph: JointGraph, strategy: str, budget: Budget = 1.0) -> Split:
     return split(graph, PARTITIONERS[strategy](graph, budget))
 
 
-def scan_rules(strategy: str, budget: Budget, trace_body: BodyTrace) -> dict | None:
+def scan_rules(strategy: str, budget: Budget, trace_body: BodyTrace,
+               splits: dict[Var, shards.Split] | None = None) -> dict | None:
     """Rules that cut each scan body with `strategy` before the joint graph is traced;
-    `trace_body` traces a body's joint graph (`trace.trace_body_joint`)."""
+    `trace_body` traces a body's joint graph (`trace.trace_body_joint`); `splits`: the
+    evaluated program's values split over the devices (`shards.of_eqns`)."""
     if strategy not in _CUTS_SCAN_BODIES:
         return None
-    return partition_scans(PARTITIONERS[strategy], budget, trace_body)
+    return partition_scans(PARTITIONERS[strategy], budget, trace_body, splits)

@@ -19,6 +19,7 @@ more, shorter segment.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -29,16 +30,17 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Primitive, Var
 
 from aotgrad._jax_internals import bind_eqn, name_scopes, scan_params
 from aotgrad.interpret import Rule, eval_jaxpr, sub_jaxprs
-from aotgrad.partition import costs
+from aotgrad.partition import costs, shards
 from aotgrad.partition.budget import Budget, ScanSchedule, scan_schedule
 
 __all__ = ["BodyCut", "BodyTrace", "is_cut_scan", "partition_scans"]
 
 # (joint graph of a body, budget, stacked=True) -> {saved joint value: reason}
 BodyCut = Callable[[Any, float, bool], dict[Var, str]]
-# (body with named values, its input avals) -> its joint graph (`trace.trace_body_joint`,
-# passed in by the pipeline: tracing sits below the passes)
-BodyTrace = Callable[[ClosedJaxpr, list], Any]
+# (body with named values, its input avals, each input's split over the devices) -> its
+# joint graph (`trace.trace_body_joint`, passed in by the pipeline: tracing sits below the
+# passes)
+BodyTrace = Callable[[ClosedJaxpr, list, tuple["shards.Split | None", ...]], Any]
 
 _PREFIX = "aotgrad_scan_value_"
 # The name scope of a scan split into checkpointed segments (read back by `segment_schedules`).
@@ -47,11 +49,15 @@ SEGMENTS = _SCOPE + "carry saved every {every} of {length} iterations"
 _SEGMENTS_AT = SEGMENTS[:SEGMENTS.index("{")]
 
 
-def partition_scans(cut: BodyCut, budget: Budget, trace_body: BodyTrace) -> dict[Primitive, Rule]:
+def partition_scans(cut: BodyCut, budget: Budget, trace_body: BodyTrace,
+                    splits: dict[Var, shards.Split] | None = None) -> dict[Primitive, Rule]:
     """Evaluation rules (see `interpret.eval_jaxpr`) that re-bind every scan with its
     body cut by `cut` at `budget`; nested scans are cut the same way. `trace_body` traces
-    a body's joint graph."""
+    a body's joint graph; `splits`: the values of the evaluated program split over the
+    devices (`shards.of_eqns`), so a scan's levels are weighed in bytes per device (a
+    batch-split carry against whole weights) as XLA's peak and a byte budget are."""
     rules: dict[Primitive, Rule] = {}
+    splits = {} if splits is None else splits
 
     def scan_rule(eqn: JaxprEqn, invals: list) -> list:
         p = scan_params(eqn)
@@ -59,8 +65,12 @@ def partition_scans(cut: BodyCut, budget: Budget, trace_body: BodyTrace) -> dict
         if body.jaxpr.effects:  # a body with effects cannot be checkpointed: jax.vjp's residuals
             return bind_eqn(eqn, invals)
         nc, ncar = p.n_consts, p.n_carry
+        ins = [splits.get(v) if isinstance(v, Var) else None for v in eqn.invars]
+        body_splits = (*ins[:nc + ncar], *map(shards.sliced, ins[nc + ncar:]))
+        if any(body_splits):  # a nested scan finds its operands' splits
+            splits.update(shards.of_eqns(body.jaxpr.eqns, body.jaxpr.invars, body_splits))
         names, schedule = _cut_names(body, cut, budget, rules, p.length, carries=p.carries,
-                                    trace_body=trace_body)
+                                    trace_body=functools.partial(trace_body, splits=body_splits))
 
         policy = jax.checkpoint_policies.save_only_these_names(*names)
         step = jax.checkpoint(lambda *xs: _eval_named(body, xs, rules), policy=policy)
@@ -133,16 +143,22 @@ def _nameable(eqn: JaxprEqn, v: Any) -> bool:
 def _cut_names(body: ClosedJaxpr, cut: BodyCut, budget: Budget, rules: dict, length: int,
                carries: slice, trace_body: BodyTrace) -> tuple[tuple[str, ...], ScanSchedule]:
     """The scan's schedule at `budget`, and the names of the body values its cut saves
-    per iteration. `carries`: the positions of the carries among the body's inputs."""
+    per iteration. `carries`: the positions of the carries among the body's inputs. Bytes
+    are per device (`shards.per_device_bytes`)."""
     avals = [v.aval for v in body.jaxpr.invars]
     named = jax.make_jaxpr(lambda *xs: _eval_named(body, xs, rules))(*avals)
     graph = trace_body(named, avals)
     inputs = set(graph.inputs)
-    carry = sum(costs.nbytes(a) for a in avals[carries])
-    sliced = sum(costs.nbytes(a) for a in (*avals[carries.stop:], *body.out_avals[carries.stop - carries.start:]))
+    size = shards.per_device_bytes(graph)
+
+    def nbytes(v: Any) -> int:  # an output may be a literal
+        return size(v) if isinstance(v, Var) else costs.nbytes(v.aval)
+
+    carry = sum(map(nbytes, graph.inputs[carries]))
+    sliced = sum(map(nbytes, (*graph.inputs[carries.stop:], *graph.outputs[carries.stop - carries.start:])))
 
     def per_iteration(saved: dict) -> int:
-        return carry + sum(costs.nbytes(v.aval) for v in saved if v not in inputs)
+        return carry + sum(size(v) for v in saved if v not in inputs)
 
     ends = {b: cut(graph, b, True) for b in (0.0, 1.0)}
     schedule = scan_schedule(length, carry, (per_iteration(ends[0.0]), per_iteration(ends[1.0])), sliced,

@@ -31,7 +31,7 @@ from aotgrad.partition import costs
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.rules import IN_PLACE, Kind, kind_of
 
-__all__ = ["Split", "input_splits", "per_device_bytes", "splits"]
+__all__ = ["Split", "input_splits", "of_eqns", "per_device_bytes", "sliced", "splits"]
 
 Split = tuple[int, int]  # (axis, over how many devices)
 Rule = Callable[[JaxprEqn, list["Split | None"]], list["Split | None"]]
@@ -156,17 +156,23 @@ _RULES: dict[object, Rule] = {
 
 
 def splits(graph: JointGraph) -> dict[Var, Split]:
-    """The values split over the devices: their axis and over how many devices. Followed
-    forward from the inputs, then back from each split elementwise result to its operands
-    of the same shape that are not inputs (a mask or a scalar broadcast to a split
+    """The values split over the devices: their axis and over how many devices (`of_eqns`
+    from the graph's inputs)."""
+    return of_eqns(graph.eqns, graph.inputs, graph.input_splits)
+
+
+def of_eqns(eqns: Sequence[JaxprEqn], inputs: Sequence[Var], input_splits: Sequence[Split | None]) -> dict[Var, Split]:
+    """The values of `eqns` split over the devices, from the splits of their `inputs`.
+    Followed forward from the inputs, then back from each split elementwise result to its
+    operands of the same shape that are not inputs (a mask or a scalar broadcast to a split
     value's shape, a scatter's zeros: XLA splits them as their reader is), then forward
     again from those."""
-    found: dict[Var, Split] = {v: s for v, s in zip(graph.inputs, graph.input_splits) if s is not None}
+    found: dict[Var, Split] = {v: s for v, s in zip(inputs, input_splits) if s is not None}
     if not found:
         return found
-    _forward(graph, found)
-    inputs = set(graph.inputs)
-    for eqn in reversed(graph.eqns):
+    _forward(eqns, found)
+    inputs = set(inputs)
+    for eqn in reversed(eqns):
         s = next((found[v] for v in eqn.outvars if v in found), None)
         if s is None or (kind_of(eqn) is not Kind.CHEAP and eqn.primitive not in IN_PLACE):
             continue
@@ -174,14 +180,14 @@ def splits(graph: JointGraph) -> dict[Var, Split]:
         for v in eqn.invars:
             if isinstance(v, Var) and v not in found and v not in inputs and _shape(v) == shape:
                 found[v] = s
-    _forward(graph, found)
+    _forward(eqns, found)
     return found
 
 
-def _forward(graph: JointGraph, found: dict[Var, Split]) -> None:
+def _forward(eqns: Sequence[JaxprEqn], found: dict[Var, Split]) -> None:
     """One pass in program order: each equation's outputs by its rule (as typed where the
     mesh's axes are explicit); values already found keep their split."""
-    for eqn in graph.eqns:
+    for eqn in eqns:
         if any(_explicit(getattr(v.aval, "sharding", None)) for v in eqn.outvars):  # as typed
             found.update((v, s) for v in eqn.outvars if (s := _from_spec(v.aval.sharding)) is not None)
             continue
@@ -211,6 +217,12 @@ def per_device_bytes(graph: JointGraph) -> Callable[[Var], int]:
         s = split.get(v)
         return costs.nbytes(v.aval) // (s[1] if s else 1)
     return size
+
+
+def sliced(s: Split | None) -> Split | None:
+    """The split of one slice of a loop's stacked operand along its leading axis (a
+    split of the leading axis itself: the slices are whole)."""
+    return None if s is None or s[0] == 0 else (s[0] - 1, s[1])
 
 
 def input_splits(leaves: Sequence[object], differentiated: Sequence[bool],
