@@ -61,7 +61,7 @@ from jax._src.random import prng  # noqa: E402
 
 __all__ = ["JAX_VERSION", "MIN_JAX", "ArrayImpl", "ScanParams", "Tracer", "bind_eqn", "eqn_context",
            "hlo_cost", "is_jaxpr", "jax_primitives", "jit_key_state", "name_scopes", "open_jaxpr", "primitives", "reset_compilation_cache", "scan_params",
-           "source_line", "staging", "short_source_line", "wrap_like"]
+           "source_line", "staging", "short_source_line", "varying_axes", "wrap_like"]
 
 
 # Primitives missing from `jax.extend.core.primitives`, by their public names' spelling.
@@ -90,6 +90,16 @@ def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
         out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes a value varies over inside `shard_map` (its type's), empty
+    elsewhere; `x` a value or an abstract value."""
+    aval = getattr(x, "aval", x)  # a tracer's or an array's type; an abstract value itself
+    found = getattr(getattr(aval, "mat", None), "varying", None)
+    if found is None:  # where the type names them directly
+        found = getattr(aval, "vma", None)
+    return frozenset(found or ())
 
 
 def source_line(eqn: Any) -> str:

@@ -47,6 +47,7 @@ What differs between devices today:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterable
 
 import jax
@@ -153,11 +154,12 @@ def _sharding_of(x: Any) -> Any:
 
 
 def device_count_of(leaves: Iterable[Any]) -> int:
-    """How many devices the step runs on: the size of the mesh (or device set) of the
-    first placed leaf, else of the mesh in context, else 1."""
+    """How many devices the step's shapes are split over: the size of the mesh (or device
+    set) of the first placed leaf, else of the mesh in context, else 1. Manual axes do not
+    count: inside `shard_map` the shapes are already one device's."""
     for x in leaves:
         sharding = _sharding_of(x)
-        size = getattr(getattr(sharding, "mesh", None), "size", None)
+        size = _split_size(getattr(sharding, "mesh", None))
         if size is None and sharding is not None:
             try:
                 size = len(sharding.device_set)
@@ -165,7 +167,17 @@ def device_count_of(leaves: Iterable[Any]) -> int:
                 size = None
         if size:
             return int(size)
-    return max(1, int(jax.sharding.get_abstract_mesh().size or 1))
+    return max(1, _split_size(jax.sharding.get_abstract_mesh()) or 1)
+
+
+def _split_size(mesh: Any) -> int | None:
+    """The product of the mesh's axes that are not manual (None: no mesh)."""
+    shape = getattr(mesh, "shape", None)
+    if not shape:
+        return getattr(mesh, "size", None) if mesh is not None else None
+    types = getattr(mesh, "axis_types", None) or (None,) * len(shape)
+    return math.prod(n for n, t in zip(shape.values(), types, strict=True)
+                     if t != jax.sharding.AxisType.Manual)
 
 
 def profile_of(leaves: Iterable[Any]) -> DeviceProfile:

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from aotgrad._jax_internals import ArrayImpl, Tracer
+from aotgrad._jax_internals import ArrayImpl, Tracer, varying_axes
 
 __all__ = ["ArgSpec", "CallKey", "Static", "argnum_positions", "aval_key", "check_output_leaves", "describe_key_change",
            "key_distance", "key_text", "leaf_key", "leaf_paths", "normalize_argnums"]
@@ -142,8 +142,8 @@ def aval_key(aval: Any) -> tuple:
     device = getattr(getattr(sharding, "mesh", None), "abstract_device", None)
     if device is not None:
         base += (device, sharding.mesh.size)
-    vma = getattr(aval, "vma", None)
-    return base + (vma,) if vma else base
+    varying = varying_axes(aval)
+    return base + (varying,) if varying else base
 
 
 def leaf_key(x: Any) -> tuple:

@@ -389,31 +389,38 @@ def test_donate_saved_releases_sharded_values():
         bwd(saved, jnp.ones_like(out))
 
 
+def _tanh_mlp(ws, x):
+    for w in ws:
+        x = jnp.tanh(x @ w)
+    return jnp.mean(x ** 2)
+
+
+def _tanh_inputs() -> tuple[list, jax.Array]:
+    return [_normal(i, 128, 128, scale=0.1) for i in range(4)], _normal(9, 2048, 128)
+
+
+def _smallest_budget(step, *args) -> int:
+    """The smallest peak a byte budget can reach, as the error for an unreachable one says."""
+    with pytest.raises(aotgrad.BudgetUnreachable) as e, aotgrad.config.patch(activation_memory_budget="1KB"):
+        step.lower(*args)
+    return e.value.smallest
+
+
 def test_a_byte_budget_is_per_device():
     """`activation_memory_budget` in bytes is per device. With the batch split over 8
     devices, the smallest peak the error names is about one device's (XLA's per-device
     peak of the step planned at it), not the whole batch's (as it was when the estimate
     counted global shapes); that budget and a larger one plan steps whose gradients are
     JAX's. Both meshes' axis types."""
-    def mlp(ws, x):
-        for w in ws:
-            x = jnp.tanh(x @ w)
-        return jnp.mean(x ** 2)
-
-    ws = [_normal(i, 128, 128, scale=0.1) for i in range(4)]
-    x = _normal(9, 2048, 128)
-    with pytest.raises(aotgrad.BudgetUnreachable) as e, aotgrad.config.patch(activation_memory_budget="1KB"):
-        jax.jit(jax.grad(aotgrad.compile(mlp))).lower(ws, x)
-    whole = e.value.smallest
+    ws, x = _tanh_inputs()
+    whole = _smallest_budget(jax.jit(jax.grad(aotgrad.compile(_tanh_mlp))), ws, x)
     for mode in MODES:
         mesh = jax.make_mesh((8,), ("data",), axis_types=(MODES[mode],))
         ws_s, x_s = [_put(mesh, w) for w in ws], _put(mesh, x, "data")
-        step = jax.jit(jax.grad(aotgrad.compile(mlp)))
+        step = jax.jit(jax.grad(aotgrad.compile(_tanh_mlp)))
         with jax.set_mesh(mesh):
-            with pytest.raises(aotgrad.BudgetUnreachable) as e, aotgrad.config.patch(activation_memory_budget="1KB"):
-                step.lower(ws_s, x_s)
-            smallest = e.value.smallest
-            want = jax.jit(jax.grad(mlp))(ws_s, x_s)
+            smallest = _smallest_budget(step, ws_s, x_s)
+            want = jax.jit(jax.grad(_tanh_mlp))(ws_s, x_s)
             with aotgrad.config.patch(activation_memory_budget=smallest):
                 peak = xla_peak(step.lower(ws_s, x_s).compile().memory_analysis())
                 assert_close(step(ws_s, x_s), want)
@@ -453,3 +460,47 @@ def test_a_scan_is_weighed_per_device():
                     f = aotgrad.compile(fn)
                     assert aotgrad.explain(f, ws_s, x_s, argnums=0).scan_segments == one, (mode, rows)
                     assert_close(jax.jit(jax.grad(f))(ws_s, x_s), jax.jit(jax.grad(fn))(ws_s, x_s))
+
+
+def test_inside_shard_map_the_shapes_are_one_devices():
+    """Inside `shard_map` (manual axes) every shape is already one device's: the step's
+    estimate counts it whole, as for the same shapes on one device (the smallest byte
+    budget is the same), rather than splitting the local batch over the mesh again (it
+    was smaller). At that budget the step recomputes and runs, and its gradients are those
+    of JAX's own gradient in the same `shard_map` (where the barrier a recomputation waits
+    behind once made the replicated weights vary, and their re-bound `pvary` failed)."""
+    ws, x = _tanh_inputs()
+    one = _smallest_budget(jax.jit(jax.grad(aotgrad.compile(_tanh_mlp))), ws, x[:256])
+    mesh = jax.make_mesh((8,), ("data",))
+    ws_s, x_s = [_put(mesh, w) for w in ws], _put(mesh, x, "data")
+
+    def in_shard_map(f):
+        step = lambda ws, x: jax.lax.pmean(jax.grad(f)(ws, x), "data")  # noqa: E731
+        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+
+    sharded = in_shard_map(aotgrad.compile(_tanh_mlp))
+    inside = _smallest_budget(sharded, ws_s, x_s)
+    assert one / 1.2 < inside < one * 1.2, (inside, one)
+    with aotgrad.config.patch(activation_memory_budget=inside):
+        assert_close(sharded(ws_s, x_s), in_shard_map(_tanh_mlp)(ws_s, x_s))
+
+
+def test_varying_axes_are_part_of_the_signature():
+    """One compiled function called in two `shard_map`s with the same local shapes, its
+    batch varying over the mesh axis in one and replicated in the other: each call gets
+    programs traced for its own types (the second once reused the first's and failed:
+    a matmul of a varying and a replicated operand), and both gradients are JAX's."""
+    mesh = jax.make_mesh((8,), ("data",))
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    def run(f, x, spec):
+        step = jax.shard_map(lambda w, x: jax.grad(f)(w, x), mesh=mesh, in_specs=(P(), spec), out_specs=P())
+        return jax.jit(step)(w, x)
+
+    w = _put(mesh, _normal(0, 16, 16, scale=0.3))
+    varying, replicated = _put(mesh, _normal(1, 64, 16), "data"), _put(mesh, _normal(2, 8, 16))
+    f = aotgrad.compile(loss)
+    assert_close(run(f, varying, P("data")), run(loss, varying, P("data")))
+    assert_close(run(f, replicated, P()), run(loss, replicated, P()))

@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import jax.extend.core.primitives as P
 from jax.extend.core import JaxprEqn, Var
 
-from aotgrad._jax_internals import bind_eqn
+from aotgrad._jax_internals import bind_eqn, varying_axes
 from aotgrad.interpret import read
 from aotgrad.partition.costs import nbytes
 from aotgrad.partition.rules import MATMULS, Kind, kind_of
@@ -290,17 +290,29 @@ def _tie_by_barrier(values: list, after: Any, finished: list,
     waits already, and a barrier on it would make XLA write it to memory between two
     fusions (on a GPU, a GPT's step moved 1.28x the fused step's bytes, 1.13x without).
     `finished` (matmul results, in memory anyway) pass through too: the group waits for them."""
+    saved = [s and _tieable(x, after) for x, s in zip(values, saved, strict=True)]
     if not any(saved):
         return list(values), after, list(finished)
     held = [x for x, s in zip(values, saved, strict=True) if s]
-    *out, after = jax.lax.optimization_barrier([*held, *finished, after])
-    held, finished = iter(out[:len(held)]), out[len(held):]
-    return [next(held) if s else x for x, s in zip(values, saved, strict=True)], after, finished
+    waited = [_tieable(x, after) for x in finished]
+    *out, after = jax.lax.optimization_barrier([*held, *(x for x, w in zip(finished, waited) if w), after])
+    held, tied = iter(out[:len(held)]), iter(out[len(held):])
+    return ([next(held) if s else x for x, s in zip(values, saved, strict=True)], after,
+            [next(tied) if w else x for x, w in zip(finished, waited, strict=True)])
+
+
+def _tieable(x: Any, after: Any) -> bool:
+    """Inside `shard_map`, only a value varying over the same manual axes as the cotangent
+    waits for it: JAX's barrier (and arithmetic with the cotangent) would make a
+    replicated value vary, and the forward's equations re-bound on it then fail (a
+    weight's `pvary` on a weight already varying)."""
+    return varying_axes(x) == varying_axes(after)
 
 
 def _tie_by_data(values: list, after: Any, finished: list) -> tuple[list, Any, list]:
     zero = _zero_from(after)
-    return [x - zero.astype(x.dtype) if _floating(x) else x for x in values], after, list(finished)
+    return [x - zero.astype(x.dtype) if _floating(x) and _tieable(x, after) else x for x in values], after, \
+        list(finished)
 
 
 def tie_by_data() -> bool:
