@@ -19,7 +19,6 @@ more, shorter segment.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -40,7 +39,7 @@ BodyCut = Callable[[Any, float, bool], dict[Var, str]]
 # (body with named values, its input avals, each input's split over the devices) -> its
 # joint graph (`trace.trace_body_joint`, passed in by the pipeline: tracing sits below the
 # passes)
-BodyTrace = Callable[[ClosedJaxpr, list, tuple["shards.Split | None", ...]], Any]
+BodyTrace = Callable[[ClosedJaxpr, list, tuple], Any]
 
 _PREFIX = "aotgrad_scan_value_"
 # The name scope of a scan split into checkpointed segments (read back by `segment_schedules`).
@@ -70,7 +69,7 @@ def partition_scans(cut: BodyCut, budget: Budget, trace_body: BodyTrace,
         if any(body_splits):  # a nested scan finds its operands' splits
             splits.update(shards.of_eqns(body.jaxpr.eqns, body.jaxpr.invars, body_splits))
         names, schedule = _cut_names(body, cut, budget, rules, p.length, carries=p.carries,
-                                    trace_body=functools.partial(trace_body, splits=body_splits))
+                                    trace_body=trace_body, splits=body_splits)
 
         policy = jax.checkpoint_policies.save_only_these_names(*names)
         step = jax.checkpoint(lambda *xs: _eval_named(body, xs, rules), policy=policy)
@@ -141,13 +140,15 @@ def _nameable(eqn: JaxprEqn, v: Any) -> bool:
 
 
 def _cut_names(body: ClosedJaxpr, cut: BodyCut, budget: Budget, rules: dict, length: int,
-               carries: slice, trace_body: BodyTrace) -> tuple[tuple[str, ...], ScanSchedule]:
+               carries: slice, trace_body: BodyTrace,
+               splits: tuple[shards.Split | None, ...]) -> tuple[tuple[str, ...], ScanSchedule]:
     """The scan's schedule at `budget`, and the names of the body values its cut saves
-    per iteration. `carries`: the positions of the carries among the body's inputs. Bytes
-    are per device (`shards.per_device_bytes`)."""
+    per iteration. `carries`: the positions of the carries among the body's inputs;
+    `splits`: each input's split over the devices. Bytes are per device
+    (`shards.per_device_bytes`)."""
     avals = [v.aval for v in body.jaxpr.invars]
     named = jax.make_jaxpr(lambda *xs: _eval_named(body, xs, rules))(*avals)
-    graph = trace_body(named, avals)
+    graph = trace_body(named, avals, splits)
     inputs = set(graph.inputs)
     size = shards.per_device_bytes(graph)
 
