@@ -165,6 +165,31 @@ def test_scan_programs_equal_jax(fn, budget: float) -> None:
         _close_or_as_good_as_jax(fn, jax.jit(jax.value_and_grad(f))(p), expected)
 
 
+def test_a_body_calling_a_compiled_function() -> None:
+    """A compiled function whose scan body calls another compiled function (a
+    `custom_vjp` whose forward sees which inputs are differentiated): its value and
+    gradients are JAX's at every budget. Such a body is left to `jax.vjp`: cut, it was
+    evaluated again under `jax.checkpoint`, where JAX differentiated the inner call with
+    another pattern's residual structure (the carry is differentiated from the second
+    iteration on, not the first) and failed."""
+    def layer(h, v):
+        return jnp.tanh(jnp.sin(h @ v))
+
+    def model(layer_fn):
+        def f(v, x):  # x, the first carry, is not differentiated: the carry's pattern changes
+            h, _ = lax.scan(lambda h, v: (layer_fn(h, v), None), x, v)
+            return jnp.sum(h ** 2)
+        return f
+
+    p = _params()
+    expected = jax.jit(jax.value_and_grad(model(layer)))(p["v"], p["x"][0])
+    inner = aotgrad.compile(layer)
+    for budget in BUDGETS:
+        with aotgrad.config.patch(activation_memory_budget=budget):
+            _close(jax.jit(jax.value_and_grad(aotgrad.compile(model(inner))))(p["v"], p["x"][0]), expected)
+            _close(jax.value_and_grad(aotgrad.compile(model(inner)))(p["v"], p["x"][0]), expected)
+
+
 def _scan_eqns(closed) -> list:
     return [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
 

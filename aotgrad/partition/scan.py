@@ -61,7 +61,7 @@ def partition_scans(cut: BodyCut, budget: Budget, trace_body: BodyTrace,
     def scan_rule(eqn: JaxprEqn, invals: list) -> list:
         p = scan_params(eqn)
         body: ClosedJaxpr = p.body
-        if body.jaxpr.effects:  # a body with effects cannot be checkpointed: jax.vjp's residuals
+        if body.jaxpr.effects or _sees_perturbed(body.jaxpr):  # left to jax.vjp's residuals
             return bind_eqn(eqn, invals)
         nc, ncar = p.n_consts, p.n_carry
         ins = [splits.get(v) if isinstance(v, Var) else None for v in eqn.invars]
@@ -194,6 +194,16 @@ def is_cut_scan(eqn: JaxprEqn) -> bool:
     its body, and a recomputed forward scan would cost a whole extra forward. A scan
     over checkpointed segments holds the cut body one level down."""
     return eqn.primitive is P.scan_p and any(map(_holds_names, sub_jaxprs(eqn)))
+
+
+def _sees_perturbed(jaxpr: Any) -> bool:
+    """Whether the body calls a `custom_vjp` whose forward sees which inputs are
+    differentiated (`symbolic_zeros`: an aotgrad-compiled function is one), so its
+    residuals may differ per pattern. Such a call, evaluated again from the body's jaxpr
+    under `jax.checkpoint`, is differentiated by JAX with another pattern's residual
+    structure and fails; the body is not cut (a body with effects is not either)."""
+    return any((e.primitive is P.custom_vjp_call_p and e.params.get("symbolic_zeros"))
+               or any(map(_sees_perturbed, sub_jaxprs(e))) for e in jaxpr.eqns)
 
 
 def _holds_names(jaxpr: Any) -> bool:
