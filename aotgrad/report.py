@@ -12,7 +12,7 @@ from aotgrad.api import compile as aot_compile
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.partition.costs import nbytes as _nbytes
 from aotgrad.partition.rules import FALLBACK, without_rule
-from aotgrad.partition.scan import segment_schedules
+from aotgrad.partition.scan import segment_schedules, uncut_scans
 from aotgrad.provenance import BackwardCost, backward_costs
 from aotgrad.runtime import Pair, ProgramPair, Timings
 from aotgrad.signature import argnum_positions
@@ -85,6 +85,9 @@ class Report:
     # Scans whose carry is saved every k-th iteration, e.g. "carry saved every 3 of 12
     # iterations" (`partition/scan.py`), in program order.
     scan_segments: tuple[str, ...] = ()
+    # Scans whose body is not cut, and why, e.g. "body not cut (it has effects): the budget
+    # does not act inside it"; their residuals are `jax.vjp`'s.
+    uncut_scans: tuple[str, ...] = ()
     # (primitive, the rule it fell back to) for primitives of the joint graph that have no
     # recompute rule (`partition/rules.py`), e.g. a library's own primitive.
     fallback_rules: tuple[tuple[str, str], ...] = ()
@@ -114,6 +117,8 @@ class Report:
             lines.append(f"no recompute rule for {name!r}: treated as {kind!r}")
         for schedule in self.scan_segments:
             lines.append(f"scan: {schedule}, one segment recomputed at a time")
+        for why in self.uncut_scans:
+            lines.append(f"scan: {why}")
         if self.recompute_groups:
             lines.append(f"recomputation runs in {self.recompute_groups} groups, each when the "
                          f"cotangent that first needs it is ready")
@@ -211,7 +216,8 @@ def report_of(traced: Traced, pair: Pair, timings: Timings, memory: Memory | Non
         saved_bytes=sum(s.nbytes for s in saved if not s.is_input),
         saved_input_bytes=sum(s.nbytes for s in saved if s.is_input),
         recomputed=sp.recomputed, recompute_groups=sp.recompute_groups,
-        scan_segments=segment_schedules(sp.forward.jaxpr), timings=timings, casts=pair.casts, memory=memory,
+        scan_segments=segment_schedules(sp.forward.jaxpr), uncut_scans=uncut_scans(sp.forward.jaxpr),
+        timings=timings, casts=pair.casts, memory=memory,
         fallback_rules=tuple((name, FALLBACK.value) for name in without_rule([pair.graph.closed.jaxpr])),
         device=pair.graph.device.name if pair.graph.device is not None else None,
         under_jit=pair.graph.staged,

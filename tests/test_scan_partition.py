@@ -171,7 +171,7 @@ def test_a_body_calling_a_compiled_function() -> None:
     gradients are JAX's at every budget. Such a body is left to `jax.vjp`: cut, it was
     evaluated again under `jax.checkpoint`, where JAX differentiated the inner call with
     another pattern's residual structure (the carry is differentiated from the second
-    iteration on, not the first) and failed."""
+    iteration on, not the first) and failed. `explain` says the body is not cut."""
     def layer(h, v):
         return jnp.tanh(jnp.sin(h @ v))
 
@@ -188,6 +188,17 @@ def test_a_body_calling_a_compiled_function() -> None:
         with aotgrad.config.patch(activation_memory_budget=budget):
             _close(jax.jit(jax.value_and_grad(aotgrad.compile(model(inner))))(p["v"], p["x"][0]), expected)
             _close(jax.value_and_grad(aotgrad.compile(model(inner)))(p["v"], p["x"][0]), expected)
+    report = aotgrad.explain(aotgrad.compile(model(inner)), p["v"], p["x"][0], argnums=0)
+    why = "body not cut (it calls a custom_vjp that sees its differentiated inputs): the budget does not act inside it"
+    assert report.uncut_scans == (why,) and f"scan: {why}" in str(report)
+    assert aotgrad.explain(aotgrad.compile(model(layer)), p["v"], p["x"][0], argnums=0).uncut_scans == ()
+
+
+def test_a_body_with_effects_is_reported_uncut() -> None:
+    """A scan body with a callback is left to `jax.vjp` (values: `test_scan_programs_equal_jax`)
+    and `explain` says so: the budget does not act inside it."""
+    report = aotgrad.explain(aotgrad.compile(with_callback), _params())
+    assert report.uncut_scans == ("body not cut (it has effects): the budget does not act inside it",)
 
 
 def _scan_eqns(closed) -> list:

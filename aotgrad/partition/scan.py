@@ -32,7 +32,7 @@ from aotgrad.interpret import Rule, eval_jaxpr, sub_jaxprs
 from aotgrad.partition import costs, shards
 from aotgrad.partition.budget import Budget, ScanSchedule, scan_schedule
 
-__all__ = ["BodyCut", "BodyTrace", "is_cut_scan", "partition_scans"]
+__all__ = ["BodyCut", "BodyTrace", "is_cut_scan", "partition_scans", "segment_schedules", "uncut_scans"]
 
 # (joint graph of a body, budget, stacked=True) -> {saved joint value: reason}
 BodyCut = Callable[[Any, float, bool], dict[Var, str]]
@@ -46,6 +46,9 @@ _PREFIX = "aotgrad_scan_value_"
 _SCOPE = "aotgrad: "
 SEGMENTS = _SCOPE + "carry saved every {every} of {length} iterations"
 _SEGMENTS_AT = SEGMENTS[:SEGMENTS.index("{")]
+# The name scope of a scan whose body is not cut (read back by `uncut_scans`).
+UNCUT = _SCOPE + "body not cut ({why}): the budget does not act inside it"
+_UNCUT_AT = UNCUT[:UNCUT.index("{")]
 
 
 def partition_scans(cut: BodyCut, budget: Budget, trace_body: BodyTrace,
@@ -61,8 +64,11 @@ def partition_scans(cut: BodyCut, budget: Budget, trace_body: BodyTrace,
     def scan_rule(eqn: JaxprEqn, invals: list) -> list:
         p = scan_params(eqn)
         body: ClosedJaxpr = p.body
-        if body.jaxpr.effects or _sees_perturbed(body.jaxpr):  # left to jax.vjp's residuals
-            return bind_eqn(eqn, invals)
+        why = "it has effects" if body.jaxpr.effects else \
+            "it calls a custom_vjp that sees its differentiated inputs" if _sees_perturbed(body.jaxpr) else None
+        if why is not None:  # left to jax.vjp's residuals, and the report says so
+            with jax.named_scope(UNCUT.format(why=why)):
+                return bind_eqn(eqn, invals)
         nc, ncar = p.n_consts, p.n_carry
         ins = [splits.get(v) if isinstance(v, Var) else None for v in eqn.invars]
         body_splits = (*ins[:nc + ncar], *map(shards.sliced, ins[nc + ncar:]))
@@ -177,11 +183,21 @@ def _cut_names(body: ClosedJaxpr, cut: BodyCut, budget: Budget, rules: dict, len
 def segment_schedules(jaxpr: Any) -> tuple[str, ...]:
     """The segment schedules (`SEGMENTS` texts) of the scans in `jaxpr`, nested included,
     in program order."""
+    return _scopes(jaxpr, _SEGMENTS_AT)
+
+
+def uncut_scans(jaxpr: Any) -> tuple[str, ...]:
+    """Why scans in `jaxpr` were left uncut (`UNCUT` texts), nested included, in program
+    order."""
+    return _scopes(jaxpr, _UNCUT_AT)
+
+
+def _scopes(jaxpr: Any, prefix: str) -> tuple[str, ...]:
     found: dict[str, None] = {}
 
     def walk(j: Any) -> None:
         for eqn in j.eqns:
-            found.update((s[len(_SCOPE):], None) for s in name_scopes(eqn) if s.startswith(_SEGMENTS_AT))
+            found.update((s[len(_SCOPE):], None) for s in name_scopes(eqn) if s.startswith(prefix))
             for sub in sub_jaxprs(eqn):
                 walk(sub)
     walk(jaxpr)
