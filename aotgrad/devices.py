@@ -174,7 +174,7 @@ def _split_size(mesh: Any) -> int | None:
     """The product of the mesh's axes that are not manual (None: no mesh)."""
     shape = getattr(mesh, "shape", None)
     if not shape:
-        return getattr(mesh, "size", None) if mesh is not None else None
+        return getattr(mesh, "size", None)
     types = getattr(mesh, "axis_types", None) or (None,) * len(shape)
     return math.prod(n for n, t in zip(shape.values(), types, strict=True)
                      if t != jax.sharding.AxisType.Manual)

@@ -12,10 +12,10 @@ from typing import Any, Callable, Sequence
 from aotgrad.autocast.context import Setting, setting_inside, setting_of
 from aotgrad.autocast.rewrite import CastCounts, has_markers, rewrite_backward, rewrite_closed
 from aotgrad.config import BackwardAutocast, Snapshot
-from aotgrad.devices import DeviceProfile, device_count_of, profile_of
+from aotgrad.devices import DeviceProfile, profile_of
 from aotgrad.errors import BudgetUnreachable
 from aotgrad.partition import JointGraph, Split, partition, scan_rules, shards
-from aotgrad.trace import ForwardTrace, trace_body_joint, trace_joint
+from aotgrad.trace import ForwardTrace, input_layout, trace_body_joint, trace_joint
 from aotgrad.trace import trace_forward as _trace
 
 __all__ = ["Built", "autocast_backward", "build", "trace_forward"]
@@ -62,10 +62,9 @@ def _scan_rules(strategy: str, budget: Any, device: DeviceProfile, fwd: ForwardT
                 perturbed: tuple[bool, ...]) -> dict | None:
     """The rules that cut scans at `budget`, their bodies priced for the step's device and
     weighed per device (`shards`: which of the forward's values are split over them)."""
-    devices = device_count_of(fwd.in_avals)
+    devices, inputs = input_layout(fwd.in_avals, perturbed)
     jaxpr = fwd.jaxpr.jaxpr
-    splits = shards.of_eqns(jaxpr.eqns, [*jaxpr.constvars, *jaxpr.invars],
-                            shards.input_splits(fwd.in_avals, perturbed, devices))
+    splits = shards.of_eqns(jaxpr.eqns, [*jaxpr.constvars, *jaxpr.invars], inputs)
     return scan_rules(strategy, budget, functools.partial(trace_body_joint, device=device, devices=devices), splits)
 
 

@@ -22,7 +22,7 @@ from aotgrad.signature import check_output_leaves
 if TYPE_CHECKING:
     from aotgrad.autocast.context import Setting
 
-__all__ = ["ForwardTrace", "differentiable", "trace_body_joint", "trace_forward", "trace_joint"]
+__all__ = ["ForwardTrace", "differentiable", "input_layout", "trace_body_joint", "trace_forward", "trace_joint"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -116,9 +116,16 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
     # Inline nested jit / closed_call so the partitioner sees every primitive.
     inlined = jax.make_jaxpr(lambda *xs: eval_jaxpr(closed.jaxpr, closed.consts, xs, INLINE_RULES))(
         *in_avals, *ct_avals)
-    devices = device_count_of(in_avals)
+    devices, splits = input_layout(in_avals, perturbed)
     return JointGraph(inlined, n_inputs=len(in_avals), n_outs=len(fwd.out_avals), device=device,
-                      staged=staged, devices=devices, input_splits=input_splits(in_avals, perturbed, devices))
+                      staged=staged, devices=devices, input_splits=splits)
+
+
+def input_layout(in_avals: Sequence[Any], perturbed: Sequence[bool]) -> tuple[int, tuple[Split | None, ...]]:
+    """How many devices a step's inputs are split over, and each input's split
+    (`shards.input_splits`)."""
+    devices = device_count_of(in_avals)
+    return devices, input_splits(in_avals, perturbed, devices)
 
 
 def trace_body_joint(closed: ClosedJaxpr, avals: Sequence[Any], splits: Sequence[Split | None] = (),
