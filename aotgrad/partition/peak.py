@@ -14,7 +14,8 @@ it takes: an elementwise result writes over a same-sized operand read for the la
 scatter or an update in place over its first operand. A `split`'s operand lives as long as
 its parts (and their reshapes): XLA fuses a part into its readers, which read the operand
 there (8 H100s, GPT-2 medium with sharded parameters: a cut that saved each layer's q, k
-and v held the qkv projection beside them, 14% above the estimate that freed it).
+and v held the qkv projection beside them: 13952.82 MB of activations, where the estimate
+without it was 11274.8 MB for the whole step).
 
 Which programs: a call run as it comes (eagerly) runs the forward and the backward as two
 programs, and the step's peak is the larger of theirs, the saved values arguments of the
