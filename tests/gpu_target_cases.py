@@ -332,9 +332,9 @@ def test_a_jitted_step_frees_the_kept_head_where_a_layers_backward_peaks():
 
 
 def test_data_parallel_weight_gradients_do_not_wait_for_their_collective(monkeypatch):
-    """A GPT on 8 data-parallel H100s (B32 x 512, D=512, 6 layers), budget 0.4 (a cut
-    that recomputes most of each layer; 0.5's before a split's operand was held with its
-    parts): each
+    """A GPT on 8 data-parallel H100s (B32 x 512, D=512, 6 layers), budget 0.4 (the cut
+    this was measured on; 0.5 planned it before the estimate held a split's operand with
+    its parts): each
     layer's recomputation waits for the weight gradients that read the layer above's
     recomputed values (`schedule._finished`). Without that wait XLA ran the weight
     gradients at the step's end, beside the all-reduce that sums them, and held their

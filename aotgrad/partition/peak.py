@@ -105,9 +105,9 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
 
     def read(u: Value, i: int, fuses: bool) -> None:
         j = u[1]
-        for w in kept_by.get(u, ()):  # a split's operand, read through its part (above)
-            written.add(w)
-            last[w] = i
+        if u in kept_by:  # a split's operand, read through its part (above)
+            written.add(kept_by[u])
+            last[kept_by[u]] = i
         if fuses and u in last and u not in written and j >= 0 and copied[j]:
             for w in reads[j]:  # computed again inside reader i, from its operands
                 read(w, i, True)
@@ -115,7 +115,7 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
             written.add(u)
         last[u] = i  # equations are read in order: i is the latest reader yet
 
-    kept_by: dict[Value, list[Value]] = {}  # a split's parts (and their views): its operand
+    kept_by: dict[Value, Value] = {}  # a split's parts (and their views): its operand
     for i, e in enumerate(eqns):
         ins = [(v, bound.get(v, -1)) for v in e.invars if isinstance(v, Var)]
         reads.append(list(dict.fromkeys(ins)))
@@ -123,7 +123,7 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
             read(u, i, kinds[i] in _READ_FUSED)
         bound.update((v, i) for v in e.outvars if isinstance(v, Var))
         if e.primitive is I.split_p and ins:
-            kept_by.update(((v, i), [ins[0]]) for v in e.outvars)
+            kept_by.update(((v, i), ins[0]) for v in e.outvars)
         elif e.primitive in schedule.VIEWS and ins and ins[0] in kept_by:
             kept_by[(e.outvars[0], i)] = kept_by[ins[0]]
     held: dict[Value, int] = {}  # temporaries in memory: their bytes
