@@ -42,7 +42,17 @@ What differs between devices today:
   8278 GFLOP against 4.78 / 159.8 / 8649; the same on 8 H100s, data parallel and FSDP,
   and on a GPT with D=1024).
   XLA:TPU moved more bytes with them (GPT-2 small 123.1 GB against 108.8, a GPT with
-  D=1024 56.4 against 52.9, the latter at a higher peak), so there they are not offered.
+  D=1024 56.4 against 52.9, the latter at a higher peak), so there they are not offered;
+- what the budget ranks its candidate cuts by (`ranks_by_traffic`, `partition/budget.py`):
+  on a GPU, the bytes the whole step moves as `partition/traffic.py` follows XLA:GPU's
+  fusion (each value in memory read once by each kernel that reads it), not the min cut's
+  per-value costs, which charge a saved value one read in the backward. A cut that saves
+  a block's last matmul output and not the residual sum it feeds has that output read by
+  every kernel that recomputes the sum: a ViT-B/16 on an H100 at budget 0.33 moved 155.26
+  GB (1.022x `dots_with_no_batch_dims_saveable`'s) ranked by the per-value costs, 150.58
+  (0.991x) ranked by the traffic. On XLA:TPU, ranked by the traffic alone, GPT-2 small at
+  budget 0.99 moved more (108.57 GB against 103.47, at a higher peak), so there, and on
+  XLA:CPU (not measured), the per-value costs rank.
 """
 from __future__ import annotations
 
@@ -68,6 +78,7 @@ class DeviceProfile:
     row_reductions_fuse: bool = False  # see the module docstring
     keeps_loss_head: bool = False  # see the module docstring
     transcendentals: float | None = None  # elementwise exp/log/sin/... results per second
+    ranks_by_traffic: bool = False  # see the module docstring
 
     def transcendental_cost(self, itemsize: int) -> float | None:
         """Bytes moved in the time one transcendental result of `itemsize` bytes is
@@ -96,19 +107,22 @@ PROFILES: tuple[DeviceProfile, ...] = (
     # clock per SM; H100 whitepaper: 132 SMs, 1.98 GHz boost.
     DeviceProfile("h100", "gpu", ("H100",), (("float32", 494.7 * _T), ("bfloat16", 989.4 * _T),
                                              ("float16", 989.4 * _T)), 3.35e12, 80 * 2**30, True,
-                  row_reductions_fuse=True, keeps_loss_head=True, transcendentals=132 * 16 * 1.98e9),
+                  row_reductions_fuse=True, keeps_loss_head=True, transcendentals=132 * 16 * 1.98e9,
+                  ranks_by_traffic=True),
     # NVIDIA A100 SXM4 80GB datasheet: HBM2e 2,039 GB/s; dense TF32 156, BF16/FP16 312 TFLOP/s.
     # Transcendentals: as above for compute capability 8.0 (16 per clock per SM); A100
     # whitepaper: 108 SMs, 1.41 GHz boost.
     DeviceProfile("a100", "gpu", ("A100",), (("float32", 156 * _T), ("bfloat16", 312 * _T),
                                              ("float16", 312 * _T)), 2.039e12, 80 * 2**30, True,
-                  row_reductions_fuse=True, keeps_loss_head=True, transcendentals=108 * 16 * 1.41e9),
+                  row_reductions_fuse=True, keeps_loss_head=True, transcendentals=108 * 16 * 1.41e9,
+                  ranks_by_traffic=True),
     # Google Cloud TPU v5e documentation: 197 TFLOP/s bf16, HBM 16 GiB at 819 GB/s
     # (float32 matmuls run as one bf16 pass at JAX's default precision on TPUs).
     DeviceProfile("tpu-v5e", "tpu", ("v5 lite", "v5e"), (("float32", 197 * _T), ("bfloat16", 197 * _T)),
                   819e9, 16 * 2**30, True),
     # Any other GPU or TPU: its numbers are not known, its compiler's habits are.
-    DeviceProfile("gpu", "gpu", (), matmul_operands_cost=True, row_reductions_fuse=True, keeps_loss_head=True),
+    DeviceProfile("gpu", "gpu", (), matmul_operands_cost=True, row_reductions_fuse=True, keeps_loss_head=True,
+                  ranks_by_traffic=True),
     DeviceProfile("tpu", "tpu", (), matmul_operands_cost=True),
 )
 

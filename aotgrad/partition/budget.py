@@ -56,7 +56,9 @@ on one device (`shards.py`).
 
 Only candidates that are cheaper to run than every candidate with a lower estimated peak,
 and save no fewer bytes, are kept (`choices`): the estimated peak, the saved bytes and the
-speed all rise with the budget.
+speed all rise with the budget. Cheaper: by the min cut's per-value costs, or where the
+device says so (`DeviceProfile.ranks_by_traffic`: GPUs) by the bytes the whole step is
+estimated to move (`traffic.py`: a saved value read by several kernels costs each read).
 
 A scan extends its body's ladder below "save only the carries" (`scan_schedule`): the
 carry is saved every k-th iteration and the backward recomputes each segment of k
@@ -79,6 +81,7 @@ from aotgrad.partition.boundaries import boundaries, head, layer_points
 from aotgrad.partition.peak import estimate
 from aotgrad.partition.rules import MATMULS, Kind
 from aotgrad.partition.split import recompute_late
+from aotgrad.partition.traffic import traffic
 
 if TYPE_CHECKING:  # min_cut imports scan, which imports scan_schedule from here
     from aotgrad.partition.min_cut import Cut, Problem
@@ -137,6 +140,9 @@ PRICES = tuple(2.0 ** k for k in range(-4, 13))
 # is not exact: on a transformer block a cut estimated 1.7% lower, recomputing 1.8x as
 # much, peaked 3.7% higher in XLA:GPU's step.
 SAME_PEAK = 0.02
+# Estimated traffic this close (relative) counts as equal: the per-value costs decide. (GPT-2
+# small, one H100: a cut estimated 0.3% cheaper than its neighbour moved 1.1% more bytes.)
+SAME_TRAFFIC = 0.005
 GREEDY_STEPS = 24  # at most this many greedy cuts (more values are forbidden per step on big graphs)
 COARSER_POINTS = (2,)  # layer points kept free besides every one: every second
 
@@ -255,15 +261,25 @@ def _step_peak(cut: Cut) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """A candidate cut with what the budget weighs: the step's estimated peak, the
-    runtime cost (recompute + traffic) and the saved activation bytes."""
+    """A candidate cut with what the budget weighs: the step's estimated peak, its cost by
+    the min cut's per-value costs, its estimated traffic where the device ranks by it."""
     cut: Cut
     peak: int
     cost: float
+    traffic: float | None = None
 
     @property
     def saved(self) -> int:
         return self.cut.activation_bytes
+
+    def cheaper_than(self, other: Choice) -> bool:
+        """By the step's traffic where both have one, their per-value costs deciding
+        between traffic estimates this close (`SAME_TRAFFIC`); else by the costs."""
+        if self.traffic is None or other.traffic is None:
+            return self.cost < other.cost
+        if abs(self.traffic - other.traffic) > SAME_TRAFFIC * other.traffic:
+            return self.traffic < other.traffic
+        return self.cost < other.cost
 
 
 def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
@@ -275,13 +291,19 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
     and outweigh one iteration's working set, so there the saved bytes stand for the
     peak, and the scan's own schedule (`scan_schedule`) is built on them too."""
     relaxed = problem.recompute_costs(allow_costly=True)
+    device = problem.graph.device
+    by_traffic = device is not None and device.ranks_by_traffic
     seen: dict[frozenset, Choice] = {}
     for cut in ladder(problem, relaxed) + _with_boundaries(problem, relaxed, stacked):
         key = frozenset(cut.saved)
         if key in seen:
             continue
-        peak = cut.activation_bytes if stacked else _step_peak(cut)
-        seen[key] = Choice(cut, peak, _runtime_cost(cut, relaxed))
+        if stacked:
+            seen[key] = Choice(cut, cut.activation_bytes, _runtime_cost(cut, relaxed))
+            continue
+        order = recompute_late(problem.graph, cut.backward_eqns)
+        moved = traffic(problem.graph, cut.saved, order) if by_traffic else None
+        seen[key] = Choice(cut, estimate(problem.graph, cut.saved, order), _runtime_cost(cut, relaxed), moved)
     cheapest, *rest = seen.values()
     kept: list[Choice] = []
     floor = 0.0  # the lowest peak among candidates about as low as kept[-1]'s
@@ -290,9 +312,9 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
             continue  # no lower than the cheapest cut's, for more work
         if kept and c.peak <= floor * (1 + SAME_PEAK):  # about the same peak: the cheaper one
             before = kept[-2].saved if len(kept) > 1 else 0
-            if c.cost < kept[-1].cost and c.saved >= before:
+            if c.cheaper_than(kept[-1]) and c.saved >= before:
                 kept[-1] = c
-        elif not kept or (c.cost < kept[-1].cost and c.saved >= kept[-1].saved):
+        elif not kept or (c.cheaper_than(kept[-1]) and c.saved >= kept[-1].saved):
             kept.append(c)
             floor = c.peak
     while kept and kept[-1].saved > cheapest.saved:

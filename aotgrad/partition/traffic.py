@@ -1,0 +1,59 @@
+"""An estimate of the bytes a saved set's step moves through memory on one device, for
+ranking cuts of about the same peak before compiling (`budget.choices`, on devices that
+rank so: `DeviceProfile.ranks_by_traffic`).
+
+Each kernel reads its operands from memory and writes its results there: a value XLA
+writes (`fusion.reads`) is written once and read once by each equation that reads it
+there, fused chains included (XLA:GPU's cheap elementwise work, computed again in each
+reader, has its operands read in each). The min cut's per-value costs charge a saved
+value one read in the backward; a cut that saves a block's last matmul output and not the
+residual sum it feeds has that output read by every kernel that recomputes the sum, which
+only a simulation of the step sees. Compute-bound work adds its FLOPs at
+`costs.FLOPS_PER_BYTE`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+from jax.extend.core import JaxprEqn, Var
+
+from aotgrad.partition import costs
+from aotgrad.partition.fusion import FUSED, Value, programs, reads
+from aotgrad.partition.graph import JointGraph
+from aotgrad.partition.rules import Kind, kind_of
+
+__all__ = ["traffic"]
+
+
+def traffic(graph: JointGraph, saved: Iterable[Var], backward_order: Sequence[int]) -> float:
+    """The estimated cost of running the step's programs that save `saved`, in bytes: what
+    each kernel reads from memory and writes to it (`_program_traffic`), plus the FLOPs of
+    compute-bound work at `costs.FLOPS_PER_BYTE`."""
+    saved = list(saved)
+    p = programs(graph, saved, backward_order)
+    copied = p.recomputed_in_readers
+    if graph.staged:
+        return _program_traffic(p.forward + p.backward, list(graph.outputs) + list(graph.grads), p.size, copied)
+    activations = [v for v in saved if v not in set(graph.inputs)]
+    return (_program_traffic(p.forward, list(graph.outputs) + activations, p.size, copied)
+            + _program_traffic(p.backward, list(graph.grads), p.size, copied))
+
+
+def _program_traffic(eqns: list[JaxprEqn], outs: list, size: Callable[[Var], int],
+                     recomputed_in_readers: Callable[[JaxprEqn], bool]) -> float:
+    """Bytes moved running `eqns`: each value in memory (an argument, an output, a value
+    XLA writes: `fusion.reads`) read once by each equation that reads it there, each value
+    written once; plus compute-bound work's FLOPs at `costs.FLOPS_PER_BYTE`."""
+    kinds = [kind_of(e) for e in eqns]
+    r = reads(eqns, kinds, recomputed_in_readers)
+    out_set = {v for v in outs if isinstance(v, Var)}
+
+    def in_memory(u: Value) -> bool:
+        v, j = u
+        return j < 0 or u in r.written or kinds[j] not in FUSED or v in out_set
+
+    moved = sum(size(u[0]) * len(rs) for u, rs in r.readers.items() if in_memory(u))
+    moved += sum(size(v) for i, e in enumerate(eqns) for v in e.outvars
+                 if isinstance(v, Var) and in_memory((v, i)))
+    flops = sum(costs.flops(e) for e, k in zip(eqns, kinds) if k is Kind.COSTLY)
+    return moved + flops / costs.FLOPS_PER_BYTE
