@@ -67,10 +67,11 @@ iterations from its checkpoint (nested remat, k up to about sqrt(n)).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from fractions import Fraction
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Sequence, Union
 
 import jax.extend.core.primitives as P
 import numpy as np
@@ -81,7 +82,7 @@ from aotgrad.partition.boundaries import boundaries, head, layer_points
 from aotgrad.partition.peak import estimate
 from aotgrad.partition.rules import MATMULS, Kind
 from aotgrad.partition.split import recompute_late
-from aotgrad.partition.traffic import traffic
+from aotgrad.partition.traffic import traffic as step_traffic
 
 if TYPE_CHECKING:  # min_cut imports scan, which imports scan_schedule from here
     from aotgrad.partition.min_cut import Cut, Problem
@@ -266,19 +267,23 @@ class Choice:
     cut: Cut
     peak: int
     cost: float
-    traffic: float | None = None
+    backward_order: Sequence[int] | None = None  # given where the device ranks by traffic
 
     @property
     def saved(self) -> int:
         return self.cut.activation_bytes
 
+    @functools.cached_property
+    def traffic(self) -> float | None:  # when first compared: most candidates never are
+        order = self.backward_order
+        return None if order is None else step_traffic(self.cut.problem.graph, self.cut.saved, order)
+
     def cheaper_than(self, other: Choice) -> bool:
         """By the step's traffic where both have one, their per-value costs deciding
         between traffic estimates this close (`SAME_TRAFFIC`); else by the costs."""
-        if self.traffic is None or other.traffic is None:
-            return self.cost < other.cost
-        if abs(self.traffic - other.traffic) > SAME_TRAFFIC * other.traffic:
-            return self.traffic < other.traffic
+        mine, theirs = self.traffic, other.traffic
+        if mine is not None and theirs is not None and abs(mine - theirs) > SAME_TRAFFIC * theirs:
+            return mine < theirs
         return self.cost < other.cost
 
 
@@ -291,19 +296,15 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
     and outweigh one iteration's working set, so there the saved bytes stand for the
     peak, and the scan's own schedule (`scan_schedule`) is built on them too."""
     relaxed = problem.recompute_costs(allow_costly=True)
-    device = problem.graph.device
-    by_traffic = device is not None and device.ranks_by_traffic
+    by_traffic = problem.graph.device is not None and problem.graph.device.ranks_by_traffic
     seen: dict[frozenset, Choice] = {}
     for cut in ladder(problem, relaxed) + _with_boundaries(problem, relaxed, stacked):
         key = frozenset(cut.saved)
         if key in seen:
             continue
-        if stacked:
-            seen[key] = Choice(cut, cut.activation_bytes, _runtime_cost(cut, relaxed))
-            continue
-        order = recompute_late(problem.graph, cut.backward_eqns)
-        moved = traffic(problem.graph, cut.saved, order) if by_traffic else None
-        seen[key] = Choice(cut, estimate(problem.graph, cut.saved, order), _runtime_cost(cut, relaxed), moved)
+        order = None if stacked else recompute_late(problem.graph, cut.backward_eqns)
+        peak = cut.activation_bytes if stacked else estimate(problem.graph, cut.saved, order)
+        seen[key] = Choice(cut, peak, _runtime_cost(cut, relaxed), order if by_traffic else None)
     cheapest, *rest = seen.values()
     kept: list[Choice] = []
     floor = 0.0  # the lowest peak among candidates about as low as kept[-1]'s
