@@ -71,7 +71,7 @@ import functools
 import math
 import re
 from fractions import Fraction
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import TYPE_CHECKING, Union
 
 import jax.extend.core.primitives as P
 import numpy as np
@@ -79,6 +79,7 @@ from jax.extend.core import Var
 
 from aotgrad.errors import BudgetUnreachable
 from aotgrad.partition.boundaries import boundaries, head, layer_points
+from aotgrad.partition.fusion import Programs, programs
 from aotgrad.partition.peak import estimate
 from aotgrad.partition.rules import MATMULS, Kind
 from aotgrad.partition.split import recompute_late
@@ -254,10 +255,10 @@ def matmul_outputs(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(every, np.int64), np.asarray(unbatched, np.int64)
 
 
-def _step_peak(cut: Cut) -> int:
-    """The step's estimated peak (`peak.py`) when `cut` is saved."""
+def _programs(cut: Cut) -> Programs:
+    """The step's programs when `cut` is saved, its recomputation emitted late."""
     graph = cut.problem.graph
-    return estimate(graph, cut.saved, recompute_late(graph, cut.backward_eqns))
+    return programs(graph, cut.saved, recompute_late(graph, cut.backward_eqns))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +268,7 @@ class Choice:
     cut: Cut
     peak: int
     cost: float
-    backward_order: Sequence[int] | None = None  # given where the device ranks by traffic
+    step: Programs | None = None  # given where the device ranks by traffic
 
     @property
     def saved(self) -> int:
@@ -275,8 +276,7 @@ class Choice:
 
     @functools.cached_property
     def traffic(self) -> float | None:  # when first compared: most candidates never are
-        order = self.backward_order
-        return None if order is None else step_traffic(self.cut.problem.graph, self.cut.saved, order)
+        return None if self.step is None else step_traffic(self.step)
 
     def cheaper_than(self, other: Choice) -> bool:
         """By the step's traffic where both have one, their per-value costs deciding
@@ -302,9 +302,9 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
         key = frozenset(cut.saved)
         if key in seen:
             continue
-        order = None if stacked else recompute_late(problem.graph, cut.backward_eqns)
-        peak = cut.activation_bytes if stacked else estimate(problem.graph, cut.saved, order)
-        seen[key] = Choice(cut, peak, _runtime_cost(cut, relaxed), order if by_traffic else None)
+        step = None if stacked else _programs(cut)
+        peak = cut.activation_bytes if stacked else estimate(step)
+        seen[key] = Choice(cut, peak, _runtime_cost(cut, relaxed), step if by_traffic else None)
     cheapest, *rest = seen.values()
     kept: list[Choice] = []
     floor = 0.0  # the lowest peak among candidates about as low as kept[-1]'s
@@ -330,7 +330,7 @@ def within_budget(problem: Problem, budget: Budget, stacked: bool = False) -> di
     what = "saves" if stacked else "estimated step peak" + (" per device" if problem.graph.devices > 1 else "")
     if isinstance(budget, Bytes) and not stacked:  # budget 1's plan, if it fits
         top = problem.top_cut(stacked)
-        if _step_peak(top) <= budget.n:
+        if estimate(_programs(top)) <= budget.n:
             return top.reasons(FUSED_REASON)
     steps = choices(problem, stacked)
     low, high = steps[0].peak, steps[-1].peak

@@ -29,7 +29,7 @@ from aotgrad.partition.graph import JointGraph, live_eqns
 from aotgrad.partition.rules import Kind, duplicated
 from aotgrad.partition.shards import per_device_bytes
 
-__all__ = ["FUSED", "Programs", "Reads", "Value", "programs", "reads"]
+__all__ = ["FUSED", "Program", "Programs", "Reads", "Value", "programs", "reads"]
 
 FUSED = (Kind.CHEAP, Kind.MOVE)  # equations XLA fuses into their readers
 _READ_FUSED = FUSED + (Kind.REDUCE,)  # readers a single elementwise producer fuses into
@@ -38,17 +38,25 @@ Value = tuple[Var, int]  # a variable as bound by one equation (its index; -1: a
 
 
 @dataclasses.dataclass(frozen=True)
+class Program:
+    """One program of the step: its equations in the order XLA runs them, its arguments
+    and its outputs."""
+    eqns: list[JaxprEqn]
+    args: list[Var]
+    outs: list
+
+
+@dataclasses.dataclass(frozen=True)
 class Programs:
-    """The forward's and the backward's equations in the order XLA runs them, each value's
-    bytes on one device (`shards.per_device_bytes`), and which equations XLA computes again
-    in each fusing reader."""
-    forward: list[JaxprEqn]
-    backward: list[JaxprEqn]
+    """The step's programs (`runs`: one for a jitted step, the forward and the backward for
+    an eager call), each value's bytes on one device (`shards.per_device_bytes`), and which
+    equations XLA computes again in each fusing reader."""
+    runs: tuple[Program, ...]
     size: Callable[[Var], int]
     recomputed_in_readers: Callable[[JaxprEqn], bool]
 
 
-def programs(graph: JointGraph, saved: list[Var], backward_order: Sequence[int]) -> Programs:
+def programs(graph: JointGraph, saved: Sequence[Var], backward_order: Sequence[int]) -> Programs:
     """The programs that save `saved` (joint values, inputs among them); `backward_order`:
     the backward's equations (joint indices) in emitted order."""
     inputs = set(graph.inputs)
@@ -57,8 +65,14 @@ def programs(graph: JointGraph, saved: list[Var], backward_order: Sequence[int])
     fwd_idx, _ = live_eqns(graph.eqns, list(graph.outputs) + activations, inputs | consts)
     forward = [graph.eqns[i] for i in fwd_idx]
     backward = _untied_first(graph, [graph.eqns[i] for i in backward_order])
+    args, cotangents = list(graph.inputs), list(graph.cotangents)
+    outs, grads = list(graph.outputs), list(graph.grads)
+    if graph.staged:  # one program: the saved values are its temporaries
+        runs = (Program(forward + backward, args + cotangents, outs + grads),)
+    else:  # the saved values are the forward's outputs and the backward's arguments
+        runs = (Program(forward, args, outs + activations), Program(backward, list(saved) + cotangents, grads))
     platform = None if graph.device is None else graph.device.platform
-    return Programs(forward, backward, per_device_bytes(graph), functools.partial(duplicated, platform=platform))
+    return Programs(runs, per_device_bytes(graph), functools.partial(duplicated, platform=platform))
 
 
 def _untied_first(graph: JointGraph, eqns: list[JaxprEqn]) -> list[JaxprEqn]:

@@ -21,31 +21,22 @@ freed after its last reader.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Callable
 
 from jax.extend.core import JaxprEqn, Var
 
 from aotgrad.partition import costs
-from aotgrad.partition.fusion import FUSED, Value, programs, reads
-from aotgrad.partition.graph import JointGraph
+from aotgrad.partition.fusion import FUSED, Programs, Value, reads
 from aotgrad.partition.rules import IN_PLACE, Kind, kind_of
 
 __all__ = ["estimate"]
 
 
-def estimate(graph: JointGraph, saved: Iterable[Var], backward_order: Sequence[int]) -> int:
-    """The estimated step peak of the programs that save `saved` (joint values, inputs
-    among them); `backward_order`: the backward's equations (joint indices) in emitted
-    order."""
-    saved = list(saved)
-    p = programs(graph, saved, backward_order)
-    copied = p.recomputed_in_readers
-    if graph.staged:
-        return _program_peak(p.forward + p.backward, list(graph.inputs) + list(graph.cotangents),
-                             list(graph.outputs) + list(graph.grads), p.size, copied)
-    activations = [v for v in saved if v not in set(graph.inputs)]
-    return max(_program_peak(p.forward, list(graph.inputs), list(graph.outputs) + activations, p.size, copied),
-               _program_peak(p.backward, saved + list(graph.cotangents), list(graph.grads), p.size, copied))
+def estimate(step: Programs) -> int:
+    """The estimated peak of the step's programs (`fusion.programs`): the largest of
+    theirs."""
+    return max(_program_peak(run.eqns, run.args, run.outs, step.size, step.recomputed_in_readers)
+               for run in step.runs)
 
 
 def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,

@@ -13,30 +13,22 @@ only a simulation of the step sees. Compute-bound work adds its FLOPs at
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Callable
 
 from jax.extend.core import JaxprEqn, Var
 
 from aotgrad.partition import costs
-from aotgrad.partition.fusion import FUSED, Value, programs, reads
-from aotgrad.partition.graph import JointGraph
+from aotgrad.partition.fusion import FUSED, Programs, Value, reads
 from aotgrad.partition.rules import Kind, kind_of
 
 __all__ = ["traffic"]
 
 
-def traffic(graph: JointGraph, saved: Iterable[Var], backward_order: Sequence[int]) -> float:
-    """The estimated cost of running the step's programs that save `saved`, in bytes: what
-    each kernel reads from memory and writes to it (`_program_traffic`), plus the FLOPs of
-    compute-bound work at `costs.FLOPS_PER_BYTE`."""
-    saved = list(saved)
-    p = programs(graph, saved, backward_order)
-    copied = p.recomputed_in_readers
-    if graph.staged:
-        return _program_traffic(p.forward + p.backward, list(graph.outputs) + list(graph.grads), p.size, copied)
-    activations = [v for v in saved if v not in set(graph.inputs)]
-    return (_program_traffic(p.forward, list(graph.outputs) + activations, p.size, copied)
-            + _program_traffic(p.backward, list(graph.grads), p.size, copied))
+def traffic(step: Programs) -> float:
+    """The estimated cost of running the step's programs (`fusion.programs`), in bytes:
+    what each kernel reads from memory and writes to it (`_program_traffic`), plus the
+    FLOPs of compute-bound work at `costs.FLOPS_PER_BYTE`."""
+    return sum(_program_traffic(run.eqns, run.outs, step.size, step.recomputed_in_readers) for run in step.runs)
 
 
 def _program_traffic(eqns: list[JaxprEqn], outs: list, size: Callable[[Var], int],
