@@ -311,6 +311,18 @@ def test_scan_schedule_levels_by_hand() -> None:
     assert scan_schedule(13, 2, (2, 4), 10, 0.0) == ScanSchedule(0.0, 1)
 
 
+def test_scan_schedule_prices_a_shorter_last_segment() -> None:
+    """30 iterations, a 10-byte carry, 10 / 20 bytes per iteration at body budgets 0 / 1,
+    1 byte of slices per iteration. Peak estimates: every 3rd 10 x 10 + 3 x 12 = 136;
+    every 4th 8 x 10 + 4 x 12 = 128 as if 4 divided 30, but its last segment of 2 copies
+    `xs` and `ys` once more (+ 30 x 1): 158, no lower than every 3rd, so it is no level;
+    every 5th 6 x 10 + 5 x 12 = 120. Budget 0.05: limit 60 + 0.05 x (600 - 60) = 87, which
+    8 carries would fit: every 5th (6). Without slices nothing is copied: every 4th."""
+    from aotgrad.partition.budget import ScanSchedule, scan_schedule
+    assert scan_schedule(30, 10, (10, 20), 1, 0.05) == ScanSchedule(0.0, 5)
+    assert scan_schedule(30, 10, (10, 20), 0, 0.05) == ScanSchedule(0.0, 4)
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_carry_checkpointed_every_kth_iteration(reverse: bool) -> None:
     """13 iterations (not a multiple of the segment length) of a body whose carry is all

@@ -33,14 +33,11 @@ The candidates:
   checkpointed once, the logits kept rather than recomputed, as `jax.checkpoint` on each
   layer leaves them. Where the backward is a program of its own (an eager call), the
   saved head is held for the whole backward; in a jitted step (`JointGraph.staged`) XLA
-  frees it once the head's gradient is made, and so does the estimate. GPT-2 small on an
-  H100: budget 0 kept the head, 4.15 GB against 4.17 without it, at 0.93x the FLOPs, while
-  the loss head's recomputation waited through a barrier; since it does not
-  (`schedule._head`), XLA merges the recomputed logits' matmul with the forward's in a
-  jitted step, and budget 0 is the same step with or without these cuts; a
-  GPT with D=1024, whose peak is in a layer's backward, keeps it at budget 0 only in a
-  jitted step (docs/benchmarks.md).
-  (With every point free as well as the head, 8 data-parallel H100s peaked 1.4x higher.)
+  frees it once the head's gradient is made, and so does the estimate. A GPT with D=1024,
+  whose peak is in a layer's backward, keeps it at budget 0 in a jitted step; on GPT-2
+  small XLA merges the recomputed logits' matmul with the forward's (`schedule._head`),
+  and budget 0 is the same step with or without these cuts (docs/benchmarks.md). (With
+  every point free as well as the head, 8 data-parallel H100s peaked 1.4x higher.)
 - The shapes of the checkpoint policies: every matmul output (`dots_saveable`) or those
   without batch dimensions (`dots_with_no_batch_dims_saveable`) free to save, with no
   layer point, every one or every second free beside them (`policy_points`), and the
@@ -138,9 +135,8 @@ def parse_bytes(value: int | str) -> int:
 FUSED_REASON = "budget 1: saved, as the fused step keeps it (recomputing costs time)"
 # Extra cost per saved byte, in the cost model's units (a byte moved costs 1 or 2).
 PRICES = tuple(2.0 ** k for k in range(-4, 13))
-# Estimated peaks this close (relative) count as equal: the cheaper cut wins. The estimate
-# is not exact: on a transformer block a cut estimated 1.7% lower, recomputing 1.8x as
-# much, peaked 3.7% higher in XLA:GPU's step.
+# Estimated peaks this close (relative) count as equal: the cheaper cut wins (a transformer
+# block's cut estimated 1.7% lower, recomputing 1.8x as much, peaked 3.7% higher in XLA).
 SAME_PEAK = 0.02
 # Estimated traffic this close (relative) counts as equal: the per-value costs decide. (GPT-2
 # small, one H100: a cut estimated 0.3% cheaper than its neighbour moved 1.1% more bytes.)
@@ -368,7 +364,9 @@ def scan_schedule(length: int, carry: int, per_iteration: tuple[int, int], slice
       plus the segment's slices of `xs` / `ys` and their cotangents (2 k x `sliced`,
       copied in and out of the segment; the stacked layer weights of a scanned model).
       k grows only while that estimate of the peak falls (k up to about sqrt(length)),
-      so saved bytes and the peak both fall as the budget does.
+      so saved bytes and the peak both fall as the budget does. A k that does not divide
+      `length` leaves a shorter last segment, which copies `xs` and `ys` once more (length
+      x `sliced`: an RNN of 256 steps peaked 1.6x higher every 5th step than every 4th).
 
     The budget spans these levels in bytes, as `within_budget` spans a ladder: the limit
     is B0 + budget x (B1 - B0), or the budget itself if it is `Bytes`; every = 1 is preferred whenever it fits (no extra
@@ -376,17 +374,20 @@ def scan_schedule(length: int, carry: int, per_iteration: tuple[int, int], slice
     """
     r0, r1 = per_iteration
 
-    def peak(k: int) -> int:
-        return length * r0 + 2 * sliced if k == 1 else math.ceil(length / k) * carry + k * (r0 + 2 * sliced)
+    def peak(k: int, whole: bool = False) -> int:  # whole: as if k divided length
+        if k == 1:
+            return length * r0 + 2 * sliced
+        copies = 0 if whole or length % k == 0 else length * sliced
+        return math.ceil(length / k) * carry + k * (r0 + 2 * sliced) + copies
 
     def body_budget(limit: float) -> float:  # the body's own ladder, saving `limit` in all
         return 1.0 if r1 <= r0 else min(max((limit / length - r0) / (r1 - r0), 0.0), 1.0)
 
     segments = [1]
     for k in range(2, length + 1):  # while the peak estimate falls, each new saved level
-        if peak(k) >= peak(segments[-1]):
+        if peak(k, whole=True) >= peak(segments[-1]):
             break
-        if math.ceil(length / k) < math.ceil(length / segments[-1]):
+        if math.ceil(length / k) < math.ceil(length / segments[-1]) and peak(k) < peak(segments[-1]):
             segments.append(k)
     if len(segments) == 1:  # segments would not lower the peak: the body's own ladder
         return ScanSchedule(body_budget(budget.n) if isinstance(budget, Bytes) else budget, 1)
