@@ -35,13 +35,14 @@ __all__ = ["estimate"]
 def estimate(step: Programs) -> int:
     """The estimated peak of the step's programs (`fusion.programs`): the largest of
     theirs."""
-    return max(_program_peak(run.eqns, run.args, run.outs, step.size, step.recomputed_in_readers)
+    return max(_program_peak(run.eqns, run.args, run.outs, step.size, step.recomputed_in_readers, run.early)
                for run in step.runs)
 
 
 def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
                   size: Callable[[Var], int] = lambda v: costs.nbytes(v.aval),
-                  recomputed_in_readers: Callable[[JaxprEqn], bool] = lambda e: False) -> int:
+                  recomputed_in_readers: Callable[[JaxprEqn], bool] = lambda e: False,
+                  early: range = range(0)) -> int:
     """Arguments + outputs + the most temporaries live at once, running `eqns` in order.
     A value is held from its equation to its last reader if XLA writes it (`fusion.reads`); a
     value computed again in each fusing reader (`recomputed_in_readers`,
@@ -56,7 +57,7 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
     out_set = {v for v in outs if isinstance(v, Var)}
     fixed = sum(size(v) for v in arg_set) + sum(size(v) for v in out_set - arg_set)
     kinds = [kind_of(e) for e in eqns]
-    r = reads(eqns, kinds, recomputed_in_readers)
+    r = reads(eqns, kinds, recomputed_in_readers, early)
     operands, last, written = r.operands, r.last, r.written
     held: dict[Value, int] = {}  # temporaries in memory: their bytes
     frees: dict[int, list[Value]] = {}
