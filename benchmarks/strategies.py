@@ -293,10 +293,18 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
+def _budget(text: str) -> float | str:
+    """A fraction ("0.5") or a byte size per device ("2.4GB"), which the option checks."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def aotgrad_options(spec: str) -> dict[str, Any]:
     """`aotgrad.config.patch` options of "<partitioner>[@<budget>]"."""
     partitioner, _, budget = spec.partition("@")
-    budgeted = {"activation_memory_budget": float(budget)} if budget else {}
+    budgeted = {"activation_memory_budget": _budget(budget)} if budget else {}
     options: dict[str, Any] = {"partitioner": partitioner, **budgeted}
     if partitioner not in aotgrad.partitioners():
         raise ValueError(f"partitioner {partitioner!r} is not registered "

@@ -237,3 +237,16 @@ def test_async_slices_are_counted_at_the_bytes_they_move() -> None:
     assert "slices as moved" in with_slices and "70.00" in with_slices
     plain = targets.format_rows([dataclasses.replace(row, slice_excess=0.0)], "h100")
     assert "slices as moved" not in plain
+
+
+def test_a_strategy_names_a_budget_as_a_fraction_or_a_byte_size() -> None:
+    """`aotgrad:min_cut@0.5` and `aotgrad:min_cut@2.4GB` (the cheapest plan whose estimated
+    peak fits 2.4 GB); a size with an unknown unit is refused by the option, by name."""
+    import aotgrad
+    from aotgrad.errors import ConfigError
+    from benchmarks.strategies import aotgrad_options
+    assert aotgrad_options("min_cut@0.5")["activation_memory_budget"] == 0.5
+    assert aotgrad_options("min_cut@2.4GB")["activation_memory_budget"] == "2.4GB"
+    with pytest.raises(ConfigError, match="activation_memory_budget"):
+        with aotgrad.config.patch(**aotgrad_options("min_cut@2.4XB")):
+            pass
