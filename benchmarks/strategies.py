@@ -6,8 +6,8 @@
 - `aotgrad:<name>`: `aotgrad.fwd_and_bwd(loss, argnums=0)` built under
   `aotgrad.config.patch(partitioner=<name>)`, one per registered partitioner;
 - `aotgrad:<name>@<budget>`: the same with `activation_memory_budget=<budget>`, for any
-  registered partitioner and budget in [0, 1], named explicitly (`aotgrad:*` does not
-  expand to budgets);
+  registered partitioner and budget in [0, 1] or byte size per device ("2.4GB"), named
+  explicitly (`aotgrad:*` does not expand to budgets);
 - `checkpoint:<policy>`: `jax.jit(jax.value_and_grad(loss))` with `jax.checkpoint(policy=...)`
   on each layer (the scan body for scanned models), for the policies a JAX user reaches for:
   `nothing_saveable`, `dots_saveable`, `dots_with_no_batch_dims_saveable`;
