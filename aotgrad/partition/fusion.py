@@ -104,8 +104,8 @@ def _untied_first(graph: JointGraph, eqns: list[JaxprEqn]) -> tuple[list[JaxprEq
 
 @dataclasses.dataclass(frozen=True)
 class Reads:
-    """How XLA reads a program's values (`reads`): each equation's operands (once each),
-    each value's last reader, the values it writes to memory, and which equations read
+    """How XLA reads a program's values (`reads`): each equation's operands (once each;
+    with those of moved recomputation computed in it), each value's last reader, the values it writes to memory, and which equations read
     each value from memory or as fused into them."""
     operands: list[list[Value]]
     last: dict[Value, int]
@@ -166,6 +166,9 @@ def _computed_where_read(eqns: list[JaxprEqn], kinds: list[Kind], early: range, 
     is computed in that reader (or in the reader that one fuses into): an operand that
     something else holds in memory anyway (a second reader) lives until then, and its
     buffer is free for that reader's result."""
+    if not len(early):
+        return
+
     def fused(u: Value) -> bool:  # computed inside its reader, not written
         return u[1] >= 0 and kinds[u[1]] in FUSED and u in r.last and u not in r.written
 
