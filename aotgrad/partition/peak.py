@@ -52,7 +52,8 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
     where XLA reuses it: an elementwise result of the operand's size (a fused loop writes
     over its input), an update in place (`IN_PLACE`) over its first operand. A variable
     bound twice (a forward value the backward recomputes, in one program) is two buffers.
-    `size`: a value's bytes (on one device: `shards.per_device_bytes`)."""
+    `size`: a value's bytes (on one device: `shards.per_device_bytes`); `early`: the
+    backward's recomputation moved to its start (`fusion.Program.early`)."""
     arg_set = set(args)
     out_set = {v for v in outs if isinstance(v, Var)}
     fixed = sum(size(v) for v in arg_set) + sum(size(v) for v in out_set - arg_set)
