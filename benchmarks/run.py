@@ -43,7 +43,8 @@ flags.DEFINE_list("workloads", None, f"Only these workloads (names in the suite;
                   "is the call-overhead section). Globs allowed.")
 flags.DEFINE_list("strategies", None, "Only these strategies, e.g. 'fused,aotgrad:*'. Globs allowed.")
 flags.DEFINE_integer("repeats", None, "Interleaved timing rounds per workload (overrides the suite).")
-flags.DEFINE_string("out", DEFAULT_OUT, "Where to write the JSON results.")
+flags.DEFINE_string("out", DEFAULT_OUT, "Where to write the JSON results (with --target, by default "
+                    "benchmarks/results/target_<target>_x<devices>_<sharding>.json).")
 flags.DEFINE_string("plot", None, "Write a PNG plot (step peak memory vs step time) here; needs matplotlib.")
 flags.DEFINE_string("target", None, "Compile every strategy for a compile-only accelerator instead of running "
                     "on this machine: 'h100' or 'a100' (need the gpu-target extra) or 'tpu-v5e' (needs jax[tpu]); "
@@ -80,18 +81,38 @@ def select_strategies(suite: suite_mod.Suite, only: Sequence[str] | None,
         else:
             messages.append(why)
     if only:
-        extra = []  # available strategies the suite does not list, named on the command line
-        for pat in only:
-            if not any(fnmatch.fnmatchcase(n, pat) for n in names):
-                hits, why = expand([pat])
-                if hits:
-                    extra += [h for h in hits if h not in extra]
-                elif pat.startswith(AOTGRAD_PREFIX):
-                    messages += why
-                else:
-                    messages.append(f"--strategies: {pat!r} matches none of {names}")
-        names = [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in only)] + extra
+        names, more = narrow(names, only, lambda pat: expand([pat]))
+        messages += more
     return names, messages
+
+
+def narrow(names: list[str], only: Sequence[str],
+           extend: Callable[[str], tuple[list[str], list[str]]]) -> tuple[list[str], list[str]]:
+    """`names` matching a pattern of `only` (`--strategies`), then what `extend` finds for a
+    pattern that matches none of them (a strategy the suite does not list, a budget named on
+    the command line); and one-line messages about patterns that matched nothing."""
+    extra: list[str] = []
+    messages: list[str] = []
+    for pat in only:
+        if not any(fnmatch.fnmatchcase(n, pat) for n in names):
+            hits, why = extend(pat)
+            if hits:
+                extra += [h for h in hits if h not in extra]
+            elif pat.startswith(AOTGRAD_PREFIX):
+                messages += why
+            else:
+                messages.append(f"--strategies: {pat!r} matches none of {names}")
+    return [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in only)] + extra, messages
+
+
+def select_target_strategies(only: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """A target table's strategies (`--target`), and messages as `select_strategies`'s: the
+    table's own, narrowed to `only`, and any aotgrad budget named there."""
+    from benchmarks.targets import target_strategies
+    names = target_strategies()
+    if not only:
+        return names, []
+    return narrow(names, only, lambda pat: expand([pat]) if pat.startswith(AOTGRAD_PREFIX) else ([], []))
 
 
 def select_workloads(suite: suite_mod.Suite, only: Sequence[str] | None
@@ -327,8 +348,7 @@ def main(argv: Sequence[str]) -> int:
                        repeats=FLAGS.repeats, peers=FLAGS.peers)
     print(format_result(result), flush=True)
     out = FLAGS.out if FLAGS.out != DEFAULT_OUT else _resolve_out()
-    command = " ".join(["python", "-m", "benchmarks.run", *sys.argv[1:]])
-    report.write_json(out, to_json(result, command))
+    report.write_json(out, to_json(result, _command()))
     log(f"wrote {out}")
     if FLAGS.plot:
         log(report.plot(FLAGS.plot, result.rows))
@@ -339,12 +359,8 @@ def _run_target(suite: suite_mod.Suite) -> int:
     from benchmarks import targets
     targets.use_cpu_for_arrays()
     specs, _, messages = select_workloads(suite, FLAGS.workloads)
-    strategies = targets.target_strategies()
-    for pat in FLAGS.strategies or ():
-        if not any(fnmatch.fnmatchcase(s, pat) for s in strategies):
-            messages.append(f"--strategies: {pat!r} matches none of {strategies}")
-    if FLAGS.strategies:
-        strategies = [s for s in strategies if any(fnmatch.fnmatchcase(s, p) for p in FLAGS.strategies)]
+    strategies, more = select_target_strategies(FLAGS.strategies)
+    messages += more
     for m in messages:
         log(m)
     try:
@@ -357,13 +373,24 @@ def _run_target(suite: suite_mod.Suite) -> int:
               f"{time.strftime('%Y-%m-%d')} - jax {jax.__version__} - suite {FLAGS.suite}; per device; "
               f"act = peak minus params and batch")
     print(targets.format_rows(rows, header), flush=True)
+    out = FLAGS.out if FLAGS["out"].present else _resolve_out(
+        f"benchmarks/results/target_{FLAGS.target}_x{FLAGS.devices}_{FLAGS.sharding}.json")
+    report.write_json(out, {"schema": 1, "date": now(), "command": _command(), "target": FLAGS.target,
+                            "devices": FLAGS.devices, "sharding": FLAGS.sharding, "suite": FLAGS.suite,
+                            "machine": machine_info(), "versions": versions(), "messages": messages,
+                            "rows": rows})
+    log(f"wrote {out}")
     if FLAGS.plot:
         log(targets.plot(FLAGS.plot, rows))
     return 0
 
 
-def _resolve_out() -> str:
-    return DEFAULT_OUT if os.path.isdir(os.path.dirname(DEFAULT_OUT)) else os.path.join(ROOT, DEFAULT_OUT)
+def _resolve_out(default: str = DEFAULT_OUT) -> str:
+    return default if os.path.isdir(os.path.dirname(default)) else os.path.join(ROOT, default)
+
+
+def _command() -> str:
+    return " ".join(["python", "-m", "benchmarks.run", *sys.argv[1:]])
 
 
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")

@@ -129,27 +129,27 @@ def expand(patterns: list[str]) -> tuple[list[str], list[str]]:
     messages: list[str] = []
     for pat in patterns:
         hits = [n for n in have if fnmatch.fnmatchcase(n, pat)]
-        if not hits and _is_budget_name(pat):
-            hits = [pat]
-        if not hits:
-            if pat.startswith(AOTGRAD_PREFIX):
-                messages.append(f"skipping strategy {pat!r}: partitioner {pat[len(AOTGRAD_PREFIX):]!r} is not "
-                                f"registered with aotgrad.register_partitioner (registered: {sorted(aotgrad.partitioners())})")
+        if not hits and pat.startswith(AOTGRAD_PREFIX):
+            why = aotgrad_name_error(pat)
+            if why is None:
+                hits = [pat]
             else:
-                messages.append(f"skipping strategy {pat!r}: unknown (available: {list(have)})")
+                messages.append(f"skipping strategy {pat!r}: {why}")
+        elif not hits:
+            messages.append(f"skipping strategy {pat!r}: unknown (available: {list(have)})")
         names.extend(h for h in hits if h not in names)
     return names, messages
 
 
-def _is_budget_name(name: str) -> bool:
-    """`aotgrad:<registered partitioner>@<budget in [0, 1]>`."""
-    base, at, budget = name.partition("@")
-    if not (at and base.startswith(AOTGRAD_PREFIX) and base[len(AOTGRAD_PREFIX):] in aotgrad.partitioners()):
-        return False
+def aotgrad_name_error(name: str) -> str | None:
+    """Why `aotgrad:<partitioner>[@<budget>]` names no strategy, or None where it names one:
+    the partitioner must be registered and the budget one `activation_memory_budget` takes
+    (a fraction in [0, 1] or a byte size per device, "2.4GB"). A glob names none."""
     try:
-        return 0.0 <= float(budget) <= 1.0
-    except ValueError:
-        return False
+        aotgrad.config.patch(**aotgrad_options(name[len(AOTGRAD_PREFIX):]))  # checks each option
+    except ValueError as e:  # ConfigError is one
+        return str(e)
+    return None
 
 
 # ----------------------------------------------------------------------------- building

@@ -153,6 +153,30 @@ def test_the_target_benchmark_reports_xla_numbers_for_every_strategy():
     assert "aotgrad:min_cut@1" in targets.format_rows(rows, "h100")
 
 
+def test_the_target_command_runs_budgets_it_does_not_list_and_writes_json(tmp_path):
+    """`python -m benchmarks.run --target h100 --strategies ...`: a fraction and a byte size
+    the target table does not list are compiled like its own budgets, and `--out` gets the
+    rows (the command once printed the table only and refused any other budget)."""
+    import json
+    import subprocess
+    import sys
+    suite = tmp_path / "tiny.toml"
+    suite.write_text('strategies = ["fused"]\n[[workloads]]\nname = "tiny_mlp"\nkind = "mlp"\n'
+                     'sizes = { batch = 64, width = 128, depth = 3 }\n')
+    out = tmp_path / "rows.json"
+    strategies = ["fused", "aotgrad:min_cut@0.3", "aotgrad:min_cut@1MB"]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--target=h100", f"--suite={suite}",
+                           f"--strategies={','.join(strategies)}", f"--out={out}"],
+                          cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "matches none" not in proc.stderr and "skipping" not in proc.stderr
+    data = json.loads(out.read_text())
+    assert data["target"] == "h100" and [r["strategy"] for r in data["rows"]] == strategies
+    assert all(r["error"] is None and r["peak"] and r["bytes_accessed"] for r in data["rows"])
+    assert all(s in proc.stdout for s in strategies)
+
+
 def test_explain_reports_the_programs_compiled_for_the_target(h100_args):
     """explain on arguments placed on the compile-only H100: both programs are compiled for
     it (XLA:GPU's Triton GEMM fusions in the text, which XLA:CPU never emits), not for the host, and the backward's peak is

@@ -250,3 +250,19 @@ def test_a_strategy_names_a_budget_as_a_fraction_or_a_byte_size() -> None:
     with pytest.raises(ConfigError, match="activation_memory_budget"):
         with aotgrad.config.patch(**aotgrad_options("min_cut@2.4XB")):
             pass
+
+
+def test_any_budget_named_on_the_command_line_is_run_also_for_a_target() -> None:
+    """`--strategies aotgrad:min_cut@0.3,aotgrad:min_cut@2.4GB` names strategies the suite and
+    the target table do not list: both are run, in the order named after the listed ones; a
+    size with an unknown unit is skipped with the option's own error, by name."""
+    from benchmarks.run import select_target_strategies
+    from benchmarks.strategies import expand
+    names, messages = expand(["aotgrad:min_cut@0.3", "aotgrad:min_cut@2.4GB", "aotgrad:min_cut@2.4XB"])
+    assert names == ["aotgrad:min_cut@0.3", "aotgrad:min_cut@2.4GB"]
+    assert len(messages) == 1 and "2.4XB" in messages[0] and "activation_memory_budget" in messages[0]
+
+    names, messages = select_target_strategies(["fused", "aotgrad:min_cut@0.3", "aotgrad:min_cut@2.4GB",
+                                                "aotgrad:min_cut@0", "jax_fwd_and_bwd"])
+    assert names == ["fused", "aotgrad:min_cut@0", "aotgrad:min_cut@0.3", "aotgrad:min_cut@2.4GB"]
+    assert messages == [f"--strategies: 'jax_fwd_and_bwd' matches none of {select_target_strategies(None)[0]}"]
