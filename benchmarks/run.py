@@ -333,6 +333,10 @@ def main(argv: Sequence[str]) -> int:
     if FLAGS.plot and not report.plot_available():
         log(f"note: --plot needs matplotlib ({report.PLOT_HINT}); this run writes no plot.")
         FLAGS.plot = None
+    misplaced = _misplaced_flags()
+    if misplaced:
+        log(f"error: {misplaced}")
+        return 2
     suite_path = _resolve(FLAGS.suite, DEFAULT_SUITE)
     try:
         suite = suite_mod.load(suite_path)
@@ -353,6 +357,16 @@ def main(argv: Sequence[str]) -> int:
     if FLAGS.plot:
         log(report.plot(FLAGS.plot, result.rows))
     return 0
+
+
+def _misplaced_flags() -> str | None:
+    """Flags given where they do not apply: the target's topology without --target, timing
+    and peers with it (nothing runs there)."""
+    if FLAGS.target:
+        given = [f"--{n}" for n in ("repeats", "peers") if FLAGS[n].present]
+        return f"{' and '.join(given)}: not with --target (each strategy is compiled, none runs)" if given else None
+    given = [f"--{n}" for n in ("devices", "sharding") if FLAGS[n].present]
+    return f"{' and '.join(given)}: only with --target (the topology compiled for)" if given else None
 
 
 def _run_target(suite: suite_mod.Suite) -> int:

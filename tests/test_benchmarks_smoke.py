@@ -266,3 +266,14 @@ def test_any_budget_named_on_the_command_line_is_run_also_for_a_target() -> None
                                                 "aotgrad:min_cut@0", "jax_fwd_and_bwd"])
     assert names == ["fused", "aotgrad:min_cut@0", "aotgrad:min_cut@0.3", "aotgrad:min_cut@2.4GB"]
     assert messages == [f"--strategies: 'jax_fwd_and_bwd' matches none of {select_target_strategies(None)[0]}"]
+
+
+@pytest.mark.parametrize("args, named", [(["--devices=8", "--sharding=fsdp"], "--devices and --sharding"),
+                                         (["--target=h100", "--repeats=3"], "--repeats")])
+def test_a_flag_that_does_not_apply_is_an_error(args: list[str], named: str) -> None:
+    """`--devices`/`--sharding` without `--target` (the suite would run on this machine,
+    their values ignored), and `--repeats` with it (nothing is timed): exit 2, naming them."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert named in proc.stderr and "target" in proc.stderr
