@@ -25,8 +25,8 @@ def _has_cuda_compiler() -> bool:
 def test_gpu_target_cases():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    # The cases compile GPT-2 small steps for the H100 one after another: 25 minutes on 2
-    # cores beside one other compile (2026-11-28), past 15 in a CI run on a loaded machine.
-    # The limit stops a hung run only.
+    # The cases compile GPT-2 small steps for the H100: 25 minutes in one process beside
+    # another compile (2026-11-28), past 15 on pytest-xdist's workers in a CI run on a
+    # loaded machine. The limit stops a hung run only.
     output = run_module("gpu_target_cases.py", env, "the H100 target cases", timeout=2700)
     assert " passed" in output or " skipped" in output
