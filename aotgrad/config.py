@@ -24,7 +24,7 @@ from aotgrad.errors import ConfigError
 from aotgrad.partition import PARTITIONERS  # the registry decides what is valid
 from aotgrad.partition.budget import Bytes, parse_bytes
 
-__all__ = ["BackwardAutocast", "Config", "ConfigError", "Snapshot", "config"]
+__all__ = ["BackwardAutocast", "Config", "ConfigError", "Snapshot", "budget_from_text", "config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +75,16 @@ def _budget(value: Any) -> float | Bytes:
     return float(value)
 
 
-def _env_budget(text: str) -> Any:
-    try:
-        return float(text)
-    except ValueError:
-        return text
+def budget_from_text(text: str) -> Any:
+    """`activation_memory_budget` written as text (an environment variable, a benchmark
+    strategy's name), for `_budget` to check: a whole number is an int (0 and 1 fractions,
+    above 1 bytes), another number a fraction, anything else a size with a unit."""
+    for number in (int, float):
+        try:
+            return number(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _bool(name: str) -> Callable[[Any], bool]:
@@ -168,7 +173,7 @@ def _partitioner_names() -> tuple[str, ...]:
 _OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("partitioner", "min_cut", _choice("partitioner", _partitioner_names), str,
            "Strategy that chooses which forward values the backward reads from memory.", keyed=True),
-    Option("activation_memory_budget", 1.0, _budget, _env_budget,
+    Option("activation_memory_budget", 1.0, _budget, budget_from_text,
            "1: the fused step's plan (the min_cut partitioner recomputes nothing outside scans, "
            "so a jitted step costs what jax.jit(jax.value_and_grad(f)) costs). Below 1, where "
            "the step peak may lie, between the lowest it estimates (0: matmuls recomputed, "

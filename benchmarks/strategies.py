@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.extend.core import Var
 
 import aotgrad
+from aotgrad.config import budget_from_text
 from benchmarks.workloads import Workload, build
 
 __all__ = ["AOTGRAD_PREFIX", "BASE_STRATEGIES", "BuildSeconds", "CHECKPOINT_POLICIES", "Prepared",
@@ -293,18 +294,10 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _budget(text: str) -> float | str:
-    """A fraction ("0.5") or a byte size per device ("2.4GB"), which the option checks."""
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
 def aotgrad_options(spec: str) -> dict[str, Any]:
     """`aotgrad.config.patch` options of "<partitioner>[@<budget>]"."""
     partitioner, _, budget = spec.partition("@")
-    budgeted = {"activation_memory_budget": _budget(budget)} if budget else {}
+    budgeted = {"activation_memory_budget": budget_from_text(budget)} if budget else {}
     options: dict[str, Any] = {"partitioner": partitioner, **budgeted}
     if partitioner not in aotgrad.partitioners():
         raise ValueError(f"partitioner {partitioner!r} is not registered "

@@ -240,13 +240,15 @@ def test_async_slices_are_counted_at_the_bytes_they_move() -> None:
 
 
 def test_a_strategy_names_a_budget_as_a_fraction_or_a_byte_size() -> None:
-    """`aotgrad:min_cut@0.5` and `aotgrad:min_cut@2.4GB` (the cheapest plan whose estimated
-    peak fits 2.4 GB); a size with an unknown unit is refused by the option, by name."""
+    """`aotgrad:min_cut@0.5`, `aotgrad:min_cut@2.4GB` (the cheapest plan whose estimated
+    peak fits 2.4 GB) and the same in bytes, `@2400000000`; a size with an unknown unit is
+    refused by the option, by name."""
     import aotgrad
     from aotgrad.errors import ConfigError
     from benchmarks.strategies import aotgrad_options
     assert aotgrad_options("min_cut@0.5")["activation_memory_budget"] == 0.5
     assert aotgrad_options("min_cut@2.4GB")["activation_memory_budget"] == "2.4GB"
+    aotgrad.config.patch(**aotgrad_options("min_cut@2400000000"))  # a byte count, as the option takes an int
     with pytest.raises(ConfigError, match="activation_memory_budget"):
         with aotgrad.config.patch(**aotgrad_options("min_cut@2.4XB")):
             pass
