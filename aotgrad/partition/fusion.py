@@ -105,8 +105,10 @@ def _untied_first(graph: JointGraph, eqns: list[JaxprEqn]) -> tuple[list[JaxprEq
 @dataclasses.dataclass(frozen=True)
 class Reads:
     """How XLA reads a program's values (`reads`): each equation's operands (once each;
-    with those of moved recomputation computed in it), each value's last reader, the values it writes to memory, and which equations read
-    each value from memory or as fused into them."""
+    with those of moved recomputation computed in it), each value's last reader, the values
+    it writes to memory, and which equations read each value from memory or as fused into
+    them (moved recomputation's reads stay with it: where it is computed changes only how
+    long its operands live)."""
     operands: list[list[Value]]
     last: dict[Value, int]
     written: set[Value]

@@ -35,7 +35,8 @@ def _program_traffic(eqns: list[JaxprEqn], outs: list, size: Callable[[Var], int
                      recomputed_in_readers: Callable[[JaxprEqn], bool]) -> float:
     """Bytes moved running `eqns`: each value in memory (an argument, an output, a value
     XLA writes: `fusion.reads`) read once by each equation that reads it there, each value
-    written once; plus compute-bound work's FLOPs at `costs.FLOPS_PER_BYTE`."""
+    written once; plus compute-bound work's FLOPs at `costs.FLOPS_PER_BYTE`. (Recomputation
+    moved early, `fusion.Program.early`, is not passed: it moves no read, only lifetimes.)"""
     kinds = [kind_of(e) for e in eqns]
     r = reads(eqns, kinds, recomputed_in_readers)
     out_set = {v for v in outs if isinstance(v, Var)}
