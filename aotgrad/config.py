@@ -77,14 +77,18 @@ def _budget(value: Any) -> float | Bytes:
 
 def budget_from_text(text: str) -> Any:
     """`activation_memory_budget` written as text (an environment variable, a benchmark
-    strategy's name), for `_budget` to check: a whole number is an int (0 and 1 fractions,
-    above 1 bytes), another number a fraction, anything else a size with a unit."""
-    for number in (int, float):
-        try:
-            return number(text)
-        except ValueError:
-            pass
-    return text
+    strategy's name), for `_budget` to check as it checks the value passed in Python: an
+    integer is an int (0 and 1 fractions, above 1 bytes), a whole number written otherwise
+    ("1e9") a size as the string is, any other number a fraction, else a size with a unit."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return text if number > 1 and number.is_integer() else number
 
 
 def _bool(name: str) -> Callable[[Any], bool]:

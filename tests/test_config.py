@@ -159,16 +159,16 @@ def test_environment_sets_defaults():
 
 def test_environment_budget_is_a_fraction_or_a_byte_size():
     """AOTGRAD_ACTIVATION_MEMORY_BUDGET as text: "0.5" a fraction, "1" the fraction 1, a whole
-    number above 1 a byte count (as the int would be), "12GB" a size (a plain byte count was
-    once read as a float and refused)."""
+    number above 1 a byte count (as the int or the string would be: "1e9" too), "12GB" a size
+    (a plain byte count was once read as a float and refused)."""
     code = "import aotgrad; print(repr(aotgrad.config.activation_memory_budget))"
     seen = []
-    for text in ("0.5", "1", "2000000000", "12GB"):
+    for text in ("0.5", "1", "2000000000", "1e9", "12GB"):
         env = dict(os.environ, AOTGRAD_ACTIVATION_MEMORY_BUDGET=text)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-2000:]
         seen.append(out.stdout.strip())
-    assert seen == ["0.5", "1.0", "Bytes(n=2000000000)", "Bytes(n=12000000000)"]
+    assert seen == ["0.5", "1.0", "Bytes(n=2000000000)", "Bytes(n=1000000000)", "Bytes(n=12000000000)"]
 
 
 def test_bad_environment_value_names_the_variable():
