@@ -28,7 +28,8 @@ from benchmarks import overhead as overhead_mod
 from benchmarks import peers_torch, report, suite as suite_mod
 from benchmarks.measure import interleaved, steps_for, summarize, time_steps
 from benchmarks.records import Row, machine_info, now, versions
-from benchmarks.strategies import AOTGRAD_PREFIX, Prepared, expand, first_line, max_relative_error, prepare
+from benchmarks.strategies import (AOTGRAD_PREFIX, Prepared, aotgrad_name_error, expand, first_line,
+                                  max_relative_error, prepare)
 from benchmarks.workloads import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,44 +71,50 @@ def _resolve(path: str, default: str) -> str:
 
 # ----------------------------------------------------------------------------- selection
 
+class PatternError(ValueError):
+    """A `--workloads` or `--strategies` pattern that matches nothing (a typo, or a name this
+    suite or target does not have): the run would time nothing, so it is refused."""
+
+
 def select_strategies(suite: suite_mod.Suite, only: Sequence[str] | None,
-                      peers: bool) -> tuple[list[str], list[str]]:
-    """The strategies to run, and one-line messages about patterns that matched nothing."""
-    names, messages = expand(list(suite.strategies))
+                      peers: bool) -> tuple[list[str], list[str], list[str]]:
+    """The strategies to run; notes (a suite strategy not available here, peers not
+    installed); and one error per `--strategies` pattern that matched nothing."""
+    names, notes = expand(list(suite.strategies))
     if peers:
         why = peers_torch.available()
         if why is None:
             names.extend(peers_torch.NAMES)
         else:
-            messages.append(why)
-    if only:
-        names, more = narrow(names, only, lambda pat: expand([pat]))
-        messages += more
-    return names, messages
+            notes.append(why)
+    if not only:
+        return names, notes, []
+    names, errors = narrow(names, only, lambda pat: expand([pat]))
+    return names, notes, errors
 
 
 def narrow(names: list[str], only: Sequence[str],
            extend: Callable[[str], tuple[list[str], list[str]]]) -> tuple[list[str], list[str]]:
     """`names` matching a pattern of `only` (`--strategies`), then what `extend` finds for a
     pattern that matches none of them (a strategy the suite does not list, a budget named on
-    the command line); and one-line messages about patterns that matched nothing."""
+    the command line); and one error per pattern that matched nothing, naming the known
+    names (and, for an `aotgrad:` name, why it names no strategy)."""
     extra: list[str] = []
-    messages: list[str] = []
+    errors: list[str] = []
     for pat in only:
         if not any(fnmatch.fnmatchcase(n, pat) for n in names):
-            hits, why = extend(pat)
+            hits, _ = extend(pat)
             if hits:
                 extra += [h for h in hits if h not in extra]
-            elif pat.startswith(AOTGRAD_PREFIX):
-                messages += why
             else:
-                messages.append(f"--strategies: {pat!r} matches none of {names}")
-    return [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in only)] + extra, messages
+                why = aotgrad_name_error(pat) if pat.startswith(AOTGRAD_PREFIX) else None
+                errors.append(f"--strategies: {pat!r} matches none of {names}" + (f": {why}" if why else ""))
+    return [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in only)] + extra, errors
 
 
 def select_target_strategies(only: Sequence[str] | None) -> tuple[list[str], list[str]]:
-    """A target table's strategies (`--target`), and messages as `select_strategies`'s: the
-    table's own, narrowed to `only`, and any aotgrad budget named there."""
+    """A target table's strategies (`--target`), narrowed to `only` with any aotgrad budget
+    named there, and one error per pattern that matched nothing (as `select_strategies`)."""
     from benchmarks.targets import target_strategies
     names = target_strategies()
     if not only:
@@ -117,12 +124,13 @@ def select_target_strategies(only: Sequence[str] | None) -> tuple[list[str], lis
 
 def select_workloads(suite: suite_mod.Suite, only: Sequence[str] | None
                      ) -> tuple[list[suite_mod.WorkloadSpec], bool, list[str]]:
-    """(workloads, include the call-overhead section, messages)."""
+    """(workloads, include the call-overhead section, one error per `--workloads` pattern
+    that matched nothing)."""
     with_overhead = suite.overhead is not None
-    specs, messages = suite_mod.select_workloads(suite.workloads, only, [OVERHEAD_ROW] if with_overhead else [])
+    specs, errors = suite_mod.select_workloads(suite.workloads, only, [OVERHEAD_ROW] if with_overhead else [])
     if only:
         with_overhead = with_overhead and any(fnmatch.fnmatchcase(OVERHEAD_ROW, p) for p in only)
-    return specs, with_overhead, messages
+    return specs, with_overhead, errors
 
 
 # ----------------------------------------------------------------------------- one workload
@@ -233,7 +241,7 @@ def run_workload(spec: suite_mod.WorkloadSpec, strategies: Sequence[str], repeat
 class RunResult:
     suite: suite_mod.Suite
     strategies: tuple[str, ...]
-    messages: tuple[str, ...]  # patterns that matched nothing, peers not available, ...
+    messages: tuple[str, ...]  # suite strategies not available here, peers not available, ...
     rows: tuple[Row, ...]
     overhead: tuple[overhead_mod.OverheadRow, ...]
     started: str  # local date and time the run began (ISO 8601)
@@ -255,9 +263,10 @@ def run_suite(suite: suite_mod.Suite, *, workloads: Sequence[str] | None = None,
     """Runs `suite` (optionally filtered); progress and failures go to stderr."""
     t_start, started = time.perf_counter(), now()
     load_before = _loadavg()
-    names, messages = select_strategies(suite, strategies, peers)
+    names, messages, errors = select_strategies(suite, strategies, peers)
     specs, with_overhead, more = select_workloads(suite, workloads)
-    messages += more
+    if errors + more:
+        raise PatternError("\n".join(errors + more))
     for m in messages:
         log(m)
     log(f"suite {suite.path}: {len(specs)} workloads x {len(names)} strategies ({', '.join(names)}); "
@@ -335,21 +344,21 @@ def main(argv: Sequence[str]) -> int:
         FLAGS.plot = None
     misplaced = _misplaced_flags()
     if misplaced:
-        log(f"error: {misplaced}")
-        return 2
+        return _refuse([misplaced])
     suite_path = _resolve(FLAGS.suite, DEFAULT_SUITE)
     try:
         suite = suite_mod.load(suite_path)
     except suite_mod.SuiteError as e:
-        log(f"error: {e}")
-        return 2
+        return _refuse([str(e)])
     if FLAGS.target:
         return _run_target(suite)
     if FLAGS.repeats is not None and FLAGS.repeats < 1:
-        log("error: --repeats must be >= 1")
-        return 2
-    result = run_suite(suite, workloads=FLAGS.workloads, strategies=FLAGS.strategies,
-                       repeats=FLAGS.repeats, peers=FLAGS.peers)
+        return _refuse(["--repeats must be >= 1"])
+    try:
+        result = run_suite(suite, workloads=FLAGS.workloads, strategies=FLAGS.strategies,
+                           repeats=FLAGS.repeats, peers=FLAGS.peers)
+    except PatternError as e:
+        return _refuse(str(e).splitlines())
     print(format_result(result), flush=True)
     out = FLAGS.out if FLAGS.out != DEFAULT_OUT else _resolve_out()
     report.write_json(out, to_json(result, _command()))
@@ -369,20 +378,25 @@ def _misplaced_flags() -> str | None:
     return f"{' and '.join(given)}: only with --target (the topology compiled for)" if given else None
 
 
+def _refuse(errors: Sequence[str]) -> int:
+    """Logs each error and returns the exit status of a command line that is refused."""
+    for e in errors:
+        log(f"error: {e}")
+    return 2
+
+
 def _run_target(suite: suite_mod.Suite) -> int:
     from benchmarks import targets
     targets.use_cpu_for_arrays()
-    specs, _, messages = select_workloads(suite, FLAGS.workloads)
+    specs, _, errors = select_workloads(suite, FLAGS.workloads)
     strategies, more = select_target_strategies(FLAGS.strategies)
-    messages += more
-    for m in messages:
-        log(m)
+    if errors + more:
+        return _refuse(errors + more)
     try:
         rows = targets.run_target(FLAGS.target, [(w.name, w.kind, w.sizes) for w in specs],
                                   devices=FLAGS.devices, sharding=FLAGS.sharding, strategies=strategies, log=log)
     except (RuntimeError, ValueError) as e:
-        log(f"error: {e}")
-        return 2
+        return _refuse([str(e)])
     header = (f"aotgrad compile-only target {FLAGS.target} x{FLAGS.devices} ({FLAGS.sharding}) - "
               f"{time.strftime('%Y-%m-%d')} - jax {jax.__version__} - suite {FLAGS.suite}; per device; "
               f"act = peak minus params and batch")
@@ -391,7 +405,7 @@ def _run_target(suite: suite_mod.Suite) -> int:
         f"benchmarks/results/target_{FLAGS.target}_x{FLAGS.devices}_{FLAGS.sharding}.json")
     report.write_json(out, {"schema": 1, "date": now(), "command": _command(), "target": FLAGS.target,
                             "devices": FLAGS.devices, "sharding": FLAGS.sharding, "suite": FLAGS.suite,
-                            "machine": machine_info(), "versions": versions(), "messages": messages,
+                            "machine": machine_info(), "versions": versions(), "messages": [],
                             "rows": rows})
     log(f"wrote {out}")
     if FLAGS.plot:

@@ -264,10 +264,28 @@ def test_any_budget_named_on_the_command_line_is_run_also_for_a_target() -> None
     assert names == ["aotgrad:min_cut@0.3", "aotgrad:min_cut@2.4GB"]
     assert len(messages) == 1 and "2.4XB" in messages[0] and "activation_memory_budget" in messages[0]
 
-    names, messages = select_target_strategies(["fused", "aotgrad:min_cut@0.3", "aotgrad:min_cut@2.4GB",
-                                                "aotgrad:min_cut@0", "jax_fwd_and_bwd"])
+    names, errors = select_target_strategies(["fused", "aotgrad:min_cut@0.3", "aotgrad:min_cut@2.4GB",
+                                              "aotgrad:min_cut@0", "jax_fwd_and_bwd"])
     assert names == ["fused", "aotgrad:min_cut@0", "aotgrad:min_cut@0.3", "aotgrad:min_cut@2.4GB"]
-    assert messages == [f"--strategies: 'jax_fwd_and_bwd' matches none of {select_target_strategies(None)[0]}"]
+    assert errors == [f"--strategies: 'jax_fwd_and_bwd' matches none of {select_target_strategies(None)[0]}"]
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--workloads=nonexistent"], ["--workloads: 'nonexistent' matches none of", "'gpt'", "'call_overhead'"]),
+    (["--strategies=aotgrad:mincut"], ["--strategies: 'aotgrad:mincut' matches none of", "'aotgrad:min_cut'",
+                                       "'mincut' is not registered"]),
+    (["--workloads=gpt,nope*", "--strategies=fused,typo"], ["'nope*' matches none", "'typo' matches none"]),
+    (["--target=h100", "--strategies=fused,jax_fwd_and_bwd"], ["--strategies: 'jax_fwd_and_bwd' matches none of",
+                                                               "'checkpoint:nothing_saveable'"])])
+def test_a_pattern_that_matches_nothing_is_an_error(args: list[str], named: list[str]) -> None:
+    """A `--workloads` or `--strategies` pattern that matches nothing (a typo) would time
+    nothing: exit 2 before anything is built, naming the flag, the pattern and the known names."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", *args, "--out=/nonexistent/never_written.json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert all(n in proc.stderr for n in named), proc.stderr[-2000:]
+    assert "building" not in proc.stderr and not proc.stdout
 
 
 @pytest.mark.parametrize("args, named", [(["--devices=8", "--sharding=fsdp"], "--devices and --sharding"),
