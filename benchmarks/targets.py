@@ -14,7 +14,8 @@ the arguments placed on its mesh, and reports per device:
   (`async_slice_excess`);
 - compile time (trace, lower and compile, seconds).
 Nothing runs: the executables are for the target. The GPU needs the CUDA compiler plugin
-(`pip install -e '.[gpu-target]'`), the TPU `libtpu` (`jax[tpu]`).
+(`pip install -e '.[gpu-target]'`), the TPU `libtpu` (`jax[tpu]`); the targets and their
+descriptions are the package's (`aotgrad.targets`).
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import pathlib
 import re
 import time
 from typing import Any, Callable, Sequence
@@ -32,48 +32,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import aotgrad
 from aotgrad._jax_internals import hlo_cost
+from aotgrad.targets import resolve as resolve_target
 from benchmarks.strategies import (AOTGRAD_PREFIX, CHECKPOINT_PREFIX, CHECKPOINT_STRATEGIES, aotgrad_options,
                                    checkpointed, xla_peak)
 from benchmarks.workloads import Workload, build
 
-__all__ = ["TARGETS", "TargetRow", "compile_step", "format_rows", "plot", "run_target", "step_and_context",
+__all__ = ["TargetRow", "compile_step", "format_rows", "plot", "run_target", "step_and_context",
            "target_strategies"]
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """How to get a compile-only topology for one accelerator."""
-    name: str
-    platform: str  # jax's platform name for topologies: "cuda" or "tpu"
-    install: str  # what provides its compiler
-    config_file: str | None = None  # a GpuTargetConfigProto in text form (GPU)
-    tpu_kind: str | None = None  # e.g. "v5e" (TPU)
-
-    def topology(self, devices: int) -> Any:
-        from jax.experimental import topologies
-        if self.platform == "cuda":
-            # Ours (benchmarks/target_configs), else the shared one beside the repository.
-            places = [ROOT / "benchmarks" / "target_configs", ROOT.parent / "shared" / "targets"]
-            path = next((d / self.config_file for d in places if (d / self.config_file).exists()), None)
-            if path is None:
-                raise FileNotFoundError(f"target {self.name}: no target description {self.config_file} "
-                                        f"in {', '.join(map(str, places))}")
-            return topologies.get_topology_desc(platform="cuda", target_config=path.read_text(),
-                                                topology=f"1x1x{devices}")
-        side = int(math.isqrt(devices))
-        if side * side != devices:
-            raise ValueError(f"target {self.name}: --devices must be a square number of chips (1, 4, 16...)")
-        return topologies.get_topology_desc(topology_name=f"{self.tpu_kind}:{side}x{side}", platform="tpu",
-                                            chips_per_host_bounds=(side, side, 1))
-
-
-TARGETS = {
-    "h100": Target("h100", "cuda", "pip install -e '.[gpu-target]'", config_file="h100.txtpb"),
-    "a100": Target("a100", "cuda", "pip install -e '.[gpu-target]'", config_file="a100.txtpb"),
-    "tpu-v5e": Target("tpu-v5e", "tpu", "pip install 'jax[tpu]'", tpu_kind="v5e"),
-}
 
 BUDGETS = (1.0, 0.5, 0.2, 0.0)
 
@@ -100,11 +65,6 @@ class TargetRow:
     def bytes_moved(self) -> float | None:
         """Bytes accessed with each asynchronous slice at the bytes it moves."""
         return None if self.bytes_accessed is None else self.bytes_accessed - self.slice_excess
-
-
-def _mesh(target: Target, devices: int) -> jax.sharding.Mesh:
-    from jax.experimental import topologies
-    return topologies.make_mesh(target.topology(devices), (devices,), ("data",))
 
 
 def _fsdp_spec(shape: tuple[int, ...], n: int) -> PartitionSpec:
@@ -201,16 +161,9 @@ def run_target(target_name: str, workloads: Sequence[tuple[str, str, dict]], *, 
                sharding: str = "dp", strategies: Sequence[str] | None = None,
                log: Callable[[str], None] = print) -> list[TargetRow]:
     """Compiles every strategy of every workload `(name, kind, sizes)` for the target."""
-    if target_name not in TARGETS:
-        raise ValueError(f"--target must be one of {sorted(TARGETS)}; got {target_name!r}")
     if sharding not in ("dp", "fsdp"):
         raise ValueError(f"--sharding must be 'dp' or 'fsdp'; got {sharding!r}")
-    target = TARGETS[target_name]
-    try:
-        mesh = _mesh(target, devices)
-    except (RuntimeError, ValueError, ImportError) as e:
-        raise RuntimeError(f"target {target_name}: no compile-only topology ({e}). Its compiler comes "
-                           f"from: {target.install}; set JAX_PLATFORMS=cpu.") from None
+    mesh = resolve_target(target_name).mesh(devices)
     rows = []
     for name, kind, sizes in workloads:
         w = build(name, kind, sizes)

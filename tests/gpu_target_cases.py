@@ -54,14 +54,13 @@ import pytest  # noqa: E402
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="the CUDA compiler plugin: pip install -e '.[gpu-target]'")
 
-from jax.experimental import topologies  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import aotgrad  # noqa: E402
+from aotgrad.targets import resolve as resolve_target  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 from benchmarks.strategies import xla_peak  # noqa: E402
 
-TARGET = pathlib.Path(__file__).resolve().parents[2] / "shared" / "targets" / "h100.txtpb"
 SIZES = dict(batch=4, seq=128, d_model=128, heads=4, layers=2, vocab=256)  # activations outweigh params
 # Just below budget 1 (the fused step's plan): the cheapest cut where it is the only
 # candidate, else the candidate just below it, which recomputes more.
@@ -85,10 +84,7 @@ def cheapest_cut():
 
 @pytest.fixture(scope="module")
 def h100_args():
-    if not TARGET.exists():
-        pytest.skip(f"no target description at {TARGET}")
-    topo = topologies.get_topology_desc(platform="cuda", target_config=TARGET.read_text(), topology="1x1x1")
-    mesh = topologies.make_mesh(topo, (1,), ("data",))
+    mesh = resolve_target("h100").mesh(1)  # the package's own H100 description
     w = workloads.build("gpt", "gpt", SIZES)
 
     def spec(a):
@@ -236,12 +232,12 @@ def test_the_default_moves_the_fused_steps_bytes_on_the_h100(h100_args, cheapest
 
 
 def test_an_a100_target_compiles_and_is_decided_for_the_a100():
-    """`--target a100`: the repository's own A100 description (benchmarks/target_configs)."""
+    """`--target a100`: the package's own A100 description (aotgrad/targets/a100.txtpb)."""
     from benchmarks import targets
     rows = targets.run_target("a100", [("mlp", "mlp", dict(batch=64, width=128, depth=3))],
                               strategies=["fused", "aotgrad:min_cut@1"], log=lambda _: None)
     assert not any(r.error for r in rows) and all(r.bytes_accessed and r.peak for r in rows)
-    mesh = targets._mesh(targets.TARGETS["a100"], 1)
+    mesh = resolve_target("a100").mesh(1)
     assert [d.device_kind for d in mesh.devices.flat] == ["NVIDIA A100-SXM4-80GB"]
     from aotgrad.devices import profile_of
     spec = jax.ShapeDtypeStruct((2,), "float32", sharding=NamedSharding(mesh, PartitionSpec()))
