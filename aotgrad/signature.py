@@ -13,8 +13,8 @@ from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unf
 
 from aotgrad._jax_internals import ArrayImpl, Tracer, varying_axes
 
-__all__ = ["ArgSpec", "CallKey", "Static", "argnum_positions", "aval_key", "check_output_leaves", "describe_key_change",
-           "key_distance", "key_text", "leaf_key", "leaf_paths", "normalize_argnums"]
+__all__ = ["ArgSpec", "CallKey", "Static", "argnum_positions", "aval_key", "check_in_range", "check_output_leaves",
+           "describe_key_change", "key_distance", "key_text", "leaf_key", "leaf_paths", "normalize_argnums"]
 
 _SCALARS = (bool, int, float, complex, np.generic)
 
@@ -55,6 +55,17 @@ def normalize_argnums(who: str, argnums: Any, name: str = "argnums",
 def _out_of_range(nums: Sequence[int], n: int) -> list[int]:
     """The positions in `nums` that name none of `n` arguments (negative ones count from the end)."""
     return [i for i in nums if not -n <= i < n]
+
+
+def check_in_range(who: str, name: str, nums: Sequence[int], n: int, params: Sequence[str] | None = None) -> None:
+    """A ValueError naming `name` (`static_argnums`, `donate_argnums`) when a position in
+    `nums` names none of `n` positional arguments: the function's parameters (`params`, where
+    its signature fixes them, as `jax.jit` checks) or, where it takes *args, the call's."""
+    bad = _out_of_range(nums, n)
+    if bad:
+        where = (f"the function has {n} positional parameters {list(params)}" if params is not None
+                 else f"the call passes {n} positional arguments")
+        raise ValueError(f"{who}: {name} {bad} out of range: {where}.")
 
 
 def argnum_positions(who: str, argnums: Any, n_args: int) -> set[int]:
@@ -166,6 +177,7 @@ class ArgSpec:
     static_argnames: tuple[str, ...]
     param_names: tuple[str, ...]  # positional parameter names, for messages
     python_scalars: str = "traced"  # or "static": Python bool/int/float/complex leaves
+    fixed_arity: bool = False  # the signature is known and takes no *args: param_names are all positions
 
     @classmethod
     def of(cls, fn: Callable, static_argnums: int | Sequence[int],
@@ -180,6 +192,7 @@ class ArgSpec:
             all_params = None
         params = [p for p in all_params or () if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         param_names = tuple(p.name for p in params)
+        fixed_arity = all_params is not None and all(p.kind != p.VAR_POSITIONAL for p in all_params)
         if all_params is not None:
             _check_static_names(fn_name, all_params, param_names, nums, names)
         # As jax.jit does: a static position also makes its name static, and vice versa.
@@ -188,7 +201,7 @@ class ArgSpec:
         if python_scalars not in PYTHON_SCALARS:
             raise ValueError(f"aotgrad.compile({fn_name}): python_scalars must be one of "
                              f"{list(PYTHON_SCALARS)}; got {python_scalars!r}.")
-        return cls(fn_name, nums, names, param_names, python_scalars)
+        return cls(fn_name, nums, names, param_names, python_scalars, fixed_arity)
 
     def arg_name(self, i: int) -> str:
         return self.param_names[i] if i < len(self.param_names) else f"args[{i}]"
@@ -277,12 +290,8 @@ def _check_static_names(fn_name: str, params: list, positional: tuple[str, ...],
     """As `jax.jit`: static_argnums must be positional parameters (unless the function takes
     *args), static_argnames parameter names (unless it takes **kwargs)."""
     kinds = {p.kind for p in params}
-    n = len(positional)
     if inspect.Parameter.VAR_POSITIONAL not in kinds:
-        bad = _out_of_range(nums, n)
-        if bad:
-            raise ValueError(f"aotgrad.compile({fn_name}): static_argnums {bad} out of range: the function "
-                             f"has {n} positional parameters {list(positional)}.")
+        check_in_range(f"aotgrad.compile({fn_name})", "static_argnums", nums, len(positional), positional)
     if inspect.Parameter.VAR_KEYWORD not in kinds:
         known = {p.name for p in params if p.kind != inspect.Parameter.VAR_POSITIONAL}
         bad_names = [k for k in names if k not in known]

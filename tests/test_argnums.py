@@ -139,3 +139,24 @@ def test_static_and_donate_argnums_follow_the_same_rule():
                 aotgrad.compile(g, **{name: bad})
     with pytest.raises(ValueError, match=r"static_argnums \[3\] out of range"):
         aotgrad.compile(g, static_argnums=np.int64(3))
+
+
+def test_donate_argnums_out_of_range_is_an_error_as_static_argnums_is():
+    """`jax.jit` refuses a donated position the function does not have, at decoration, as
+    aotgrad's static_argnums does; donate_argnums=7 on a two-argument function once ran
+    silently. With *args the call's positional arguments are what the positions must name."""
+    def f(x, y):
+        return jnp.sum(x * y)
+
+    with pytest.raises(ValueError, match="donate_argnums"):
+        jax.jit(f, donate_argnums=7)  # the reference: JAX refuses it too
+    for name in ("static_argnums", "donate_argnums"):
+        for bad, out in ((7, "[7]"), (-3, "[-3]"), ((0, 2), "[2]")):
+            with pytest.raises(ValueError, match=rf"compile\(.*f\): {name} {re.escape(out)} out of range: "
+                                                 r"the function has 2 positional parameters \['x', 'y'\]"):
+                aotgrad.compile(f, **{name: bad})
+
+    varargs = aotgrad.compile(lambda *a: a[0] * a[1], donate_argnums=2)
+    with pytest.raises(ValueError, match=r"donate_argnums \[2\] out of range: the call passes 2 positional"):
+        varargs(jnp.ones(3), 2.0)
+    np.testing.assert_allclose(varargs(jnp.ones(3), 2.0, jnp.ones(3)), 2 * np.ones(3))

@@ -21,8 +21,8 @@ from aotgrad.entry import Entry, HookSource, compiled_entry
 from aotgrad.hooks import ArgLayout
 from aotgrad.pipeline import trace_forward
 from aotgrad.runtime import ProgramPair
-from aotgrad.signature import (ArgSpec, CallKey, Static, describe_key_change, key_distance, leaf_key, leaf_paths,
-                               static_leaves, unwrap_static)
+from aotgrad.signature import (ArgSpec, CallKey, Static, check_in_range, describe_key_change, key_distance, leaf_key,
+                               leaf_paths, static_leaves, unwrap_static)
 
 __all__ = ["CacheInfo", "EntryCache"]
 
@@ -83,6 +83,8 @@ class EntryCache:
 
     def _build(self, key: CallKey, snapshot: Snapshot, n_args: int, leaves: list) -> Entry:
         """Cache miss: traces the forward and stores a new entry."""
+        if not self.spec.fixed_arity:  # *args: the positions donated must be among this call's
+            check_in_range(f"aotgrad.compile({self.name})", "donate_argnums", self.donate_argnums, n_args)
         ensure_compilation_cache()
         with self._lock:
             self._misses += 1

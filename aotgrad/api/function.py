@@ -14,7 +14,7 @@ from aotgrad.api.stages import Lowered, Traced
 from aotgrad.entry import Entry, HookSource
 from aotgrad.hooks import HOOK, LEAF, PREHOOK, HookHandle, Hooks
 from aotgrad.nnx import NnxCall, UserView, has_graph_nodes
-from aotgrad.signature import ArgSpec, normalize_argnums
+from aotgrad.signature import ArgSpec, check_in_range, normalize_argnums
 
 __all__ = ["AOTFunction", "Entries", "compile"]
 
@@ -222,6 +222,9 @@ def _compiled(fn: Callable[P, R], static_argnums: int | Sequence[int], static_ar
     spec = ArgSpec.of(fn, static_argnums, static_argnames, python_scalars)
     donate, _ = normalize_argnums(f"aotgrad.compile({spec.fn_name})", donate_argnums,
                                   "donate_argnums", "positions of the arguments whose buffers may be reused")
+    if spec.fixed_arity:  # else each call's positional arguments are checked (`EntryCache`)
+        check_in_range(f"aotgrad.compile({spec.fn_name})", "donate_argnums", donate, len(spec.param_names),
+                       spec.param_names)
     clash = set(donate) & set(spec.static_argnums)
     if clash:
         raise ValueError(f"aotgrad.compile({spec.fn_name}): arguments {sorted(clash)} are in "
