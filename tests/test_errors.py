@@ -1,6 +1,7 @@
 """User errors not covered elsewhere: each message names the cause."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -59,3 +60,37 @@ def test_argnums_of_the_wrong_type_says_what_it_takes(who):
             _with_argnums(who, f, w, bad)
     for good in (np.int64(0), [np.int32(0), 1], (0,)):  # Python and NumPy ints, and sequences of them
         _with_argnums(who, f, w, good)
+
+
+def test_a_traced_python_scalar_as_a_slice_bound_is_named_with_the_fix():
+    """`x[:, :n]` with `n` a traced Python int: JAX raises an IndexError (the slice bound must
+    be static); through aotgrad it once named `flat_out` and "argument leaves[1]". It names the
+    function and `n`, and says how to make `n` static; JAX's reason is kept. An IndexError of
+    the function's own, or with no Python scalar traced, passes through unchanged."""
+    def head(x, n):
+        return jnp.sum(x[:, :n])
+
+    x = jnp.ones((3, 4))
+    with pytest.raises(IndexError) as plain:  # the reference: jax.jit's own error is an IndexError
+        jax.jit(head)(x, 2)
+    with pytest.raises(IndexError, match=r"compile\(.*head\): tracing needed a concrete value, .*: n \(int 2\)\. "
+                                         r".*static_argnums / static_argnames.*python_scalars=\"static\"") as ours:
+        jax.grad(aotgrad.compile(head))(x, 2)
+    assert str(plain.value).splitlines()[0] in str(ours.value) and "leaves" not in str(ours.value)
+    want = jax.grad(head)(x, 2)
+    np.testing.assert_array_equal(jax.grad(aotgrad.compile(head, static_argnums=1))(x, 2), want)
+    np.testing.assert_array_equal(jax.grad(aotgrad.compile(head, python_scalars="static"))(x, 2), want)
+
+    def own_index_error(x, n):
+        return x * n * [1.0][3]
+
+    with pytest.raises(IndexError, match="^list index out of range") as e:
+        aotgrad.compile(own_index_error)(x, 2)
+    assert "Python scalar" not in str(e.value)
+
+    def array_bound(x, m):
+        return jnp.sum(x[:, :m[0]])
+
+    with pytest.raises(IndexError) as e:
+        aotgrad.compile(array_bound)(x, jnp.array([2]))
+    assert "Python scalar" not in str(e.value)

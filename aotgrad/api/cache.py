@@ -40,6 +40,16 @@ class CacheInfo:
     backwards: int = 0
 
 
+def _needed_concrete(error: Exception) -> bool:
+    """Whether tracing failed for want of a concrete value: JAX's concretization errors, and
+    the IndexError of a slice whose bound is a tracer (its message shows the tracer,
+    `JitTracer(~int32[])`, on every supported JAX; an IndexError of the function's own,
+    an index out of range, shows none)."""
+    if isinstance(error, IndexError):
+        return "Tracer(" in str(error)
+    return isinstance(error, jax.errors.ConcretizationTypeError) or "concrete" in str(error)
+
+
 class EntryCache:
     """The compiled entries of `fn`, one per call signature (argument structure, shapes,
     dtypes, static arguments, keyed options, autocast setting)."""
@@ -121,7 +131,7 @@ class EntryCache:
 
         try:
             return trace_forward(flat_fn, self.name, tuple(map(jax.typeof, leaves)), key.autocast)
-        except (jax.errors.ConcretizationTypeError, TypeError) as e:
+        except (jax.errors.ConcretizationTypeError, TypeError, IndexError) as e:
             raise self._traced_scalar_error(e, in_tree, leaves) from e
 
     def _evict(self, limit: int) -> None:
@@ -138,17 +148,17 @@ class EntryCache:
 
     def _traced_scalar_error(self, error: Exception, in_tree: Any, leaves: list) -> Exception:
         """`error` itself, or, when the trace needed a concrete value and Python scalars were
-        traced (`jax.jit`'s rule), a TypeError that names them and `python_scalars`."""
-        concrete = isinstance(error, jax.errors.ConcretizationTypeError) or "concrete" in str(error)
+        traced (`jax.jit`'s rule), an error of the same kind (TypeError, or IndexError for a
+        traced slice bound, `x[:, :n]`) that names them and `python_scalars`."""
         paths = leaf_paths(self.spec, in_tree)
         scalars = [f"{p} ({type(x).__name__} {x!r})" for p, x in zip(paths, leaves, strict=True)
                    if isinstance(x, (bool, int, float, complex))]
-        if not (concrete and scalars):
+        if not (_needed_concrete(error) and scalars):
             return error
-        return TypeError(
+        return (IndexError if isinstance(error, IndexError) else TypeError)(
             f"aotgrad.compile({self.name}): tracing needed a concrete value, and these Python scalar "
             f"arguments are traced (as jax.jit traces them): {', '.join(scalars)}. If one of them sets a "
-            f"shape, an axis or control flow, pass it as a static argument (static_argnums / "
+            f"shape, an axis, a slice bound or control flow, pass it as a static argument (static_argnums / "
             f"static_argnames), or use aotgrad.compile(..., python_scalars=\"static\") to make every "
             f"Python scalar static (as eqx.filter_jit does). JAX said: {type(error).__name__}: "
             f"{str(error).splitlines()[0]}")
