@@ -5,6 +5,7 @@ import dataclasses
 import datetime
 import os
 import platform
+import subprocess
 import sys
 from typing import Any
 
@@ -63,7 +64,24 @@ def versions() -> dict[str, str | None]:
     torch = sys.modules.get("torch")
     if torch is not None:
         out["torch"] = torch.__version__
+    out["commit"] = source_commit()
     return out
+
+
+def source_commit() -> str | None:
+    """The repository's commit, with "+changes" when files were changed since (the numbers
+    may come from code no commit holds); None outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=30)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "aotgrad",
+                                  "benchmarks", "config"], cwd=root, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
 
 
 def now() -> str:

@@ -4,84 +4,87 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import textwrap
 from typing import Any, Sequence
 
+from benchmarks.columns import PEER, SUITE_COLUMNS, Refs
 from benchmarks.records import Row
-from benchmarks.strategies import ProgramMemory
 
-__all__ = ["format_table", "plot", "write_json"]
+__all__ = ["format_table", "legend_lines", "plot", "write_json"]
 
 PLOT_HINT = "pip install -e '.[bench]' to get the plot"
+WIDTH = 120  # the terminal table's width: columns beyond it wrap into another panel
+GAP = 2  # spaces between columns
+INDENT = "  "  # a strategy under its workload
 
 
-def _mb(n: int | None) -> str:
-    return "-" if n is None else f"{n / 1e6:.2f}"
+def _groups(rows: Sequence[Row]) -> dict[str, list[Row]]:
+    out: dict[str, list[Row]] = {}
+    for r in rows:
+        out.setdefault(r.workload, []).append(r)
+    return out
 
 
-def _ratio(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}x"
+def _refs(mine: Sequence[Row]) -> Refs[Row]:
+    ok = {r.strategy: r for r in mine if r.ok}
+    return Refs(ok.get("fused"), ok.get(PEER))
 
 
-def _peak_pair(m: ProgramMemory | None) -> str:
-    if m is None or m.backward_peak is None:
-        return "-"
-    return f"{_mb(m.forward_peak)}/{_mb(m.backward_peak)}"
+def _panels(widths: Sequence[int], key: int, width: int) -> list[list[int]]:
+    """The columns of each panel: as many as fit `width` beside the key column, in order."""
+    panels: list[list[int]] = [[]]
+    used = key
+    for i, w in enumerate(widths):
+        if panels[-1] and used + GAP + w > width:
+            panels.append([])
+            used = key
+        panels[-1].append(i)
+        used += GAP + w
+    return panels
 
 
-def _cells(r: Row, fused_peak: int | None) -> list[str]:
-    if not r.ok:
-        return [r.workload, r.strategy, "FAILED: " + (r.error or "")]
-    st = r.step
-    assert st is not None
-    build = "-"
-    if r.build is not None:
-        build = f"{r.build.trace:.2f}/{r.build.partition:.2f}/{r.build.compile:.2f}"
-    peak = r.memory.peak if r.memory else None
-    jitted = r.memory.jitted_peak if r.memory else None
-    return [r.workload, r.strategy, f"{st.median * 1e3:.2f}", f"{st.iqr * 1e3:.2f}",
-            _ratio(r.ratio_vs_jax), _ratio(r.ratio_vs_fused),
-            _mb(r.saved.activations if r.saved else None), _mb(r.saved.inputs if r.saved else None),
-            _mb(peak), _peak_pair(r.memory), _ratio(peak / fused_peak if peak and fused_peak else None),
-            _ratio(jitted / fused_peak if jitted and fused_peak else None),
-            "-" if r.first_step_s is None else f"{r.first_step_s:.2f}", build,
-            "-" if r.grad_error is None else f"{r.grad_error:.1e}"]
-
-
-HEADER = ["workload", "strategy", "step ms", "IQR ms", "vs jax", "vs fused", "saved MB", "in MB",
-          "peak MB", "fwd/bwd peak MB", "peak vs fused", "in jit", "1st s", "tr/part/comp s", "grad err"]
-RIGHT = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14}
-
-
-def _fused_peaks(rows: Sequence[Row]) -> dict[str, int]:
-    """Each workload's fused-program peak: what the other peaks are compared with."""
-    return {r.workload: r.memory.peak for r in rows
-            if r.ok and r.strategy == "fused" and r.memory is not None and r.memory.peak}
-
-
-def format_table(rows: Sequence[Row]) -> str:
-    """A fixed-width table; failed rows span the numeric columns with their message."""
-    fused = _fused_peaks(rows)
-    body = [_cells(r, fused.get(r.workload)) for r in rows]
-    full = [HEADER] + [c for c in body if len(c) == len(HEADER)]
-    widths = [max(len(c[i]) for c in full) for i in range(len(HEADER))]
-
-    def line(cells: list[str]) -> str:
-        if len(cells) != len(HEADER):
-            return "  ".join([cells[0].ljust(widths[0]), cells[1].ljust(widths[1]), cells[2]])
-        return "  ".join(c.rjust(w) if i in RIGHT else c.ljust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
-
-    out = [line(HEADER), "  ".join("-" * w for w in widths)]
-    last = None
-    for r, cells in zip(rows, body, strict=True):
-        if last is not None and r.workload != last:
+def format_table(rows: Sequence[Row], width: int = WIDTH) -> str:
+    """The rows grouped by workload, under a two-line header; columns that do not fit
+    `width` beside the strategy go to a second panel (a third...), which repeats the
+    strategies. A legend for every column follows, then the rows' notes."""
+    groups = _groups(rows)
+    cells = {id(r): [c.cell(r, refs) for c in SUITE_COLUMNS] if r.ok else []
+             for mine in groups.values() for refs in [_refs(mine)] for r in mine}
+    depth = max(len(c.head) for c in SUITE_COLUMNS)
+    heads = [("",) * (depth - len(c.head)) + c.head for c in SUITE_COLUMNS]
+    widths = [max([len(h) for h in head] + [len(v[i]) for v in cells.values() if v])
+              for i, head in enumerate(heads)]
+    key = max([len("strategy")] + [len(INDENT + r.strategy) for r in rows])
+    out: list[str] = []
+    for n, panel in enumerate(_panels(widths, key, width)):
+        if n:
             out.append("")
-        out.append(line(cells))
-        last = r.workload
+        for line in range(depth):
+            label = "strategy" if line == depth - 1 else ""
+            out.append((label.ljust(key) + "".join(" " * GAP + heads[i][line].rjust(widths[i])
+                                                    for i in panel)).rstrip())
+        out.append("-" * key + "".join(" " * GAP + "-" * widths[i] for i in panel))
+        for workload, mine in groups.items():
+            out.append(workload)
+            for r in mine:
+                name = (INDENT + r.strategy).ljust(key)
+                if not r.ok:
+                    out.append(name + " " * GAP + ("FAILED: " + (r.error or "") if n == 0 else "FAILED"))
+                    continue
+                out.append(name + "".join(" " * GAP + cells[id(r)][i].rjust(widths[i]) for i in panel))
+    out += ["", *legend_lines(width)]
     notes = [f"  {r.workload} / {r.strategy}: {n}" for r in rows for n in r.notes]
     if notes:
         out += ["", "notes:", *notes]
     return "\n".join(out)
+
+
+def legend_lines(width: int = WIDTH) -> list[str]:
+    """What each column of the table is, wrapped to `width`."""
+    out = ["columns:"]
+    for c in SUITE_COLUMNS:
+        out += textwrap.wrap(f"{c.name}: {c.legend}.", width, initial_indent="  ", subsequent_indent="    ")
+    return out
 
 
 def _jsonable(x: Any) -> Any:

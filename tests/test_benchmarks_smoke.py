@@ -297,3 +297,32 @@ def test_a_flag_that_does_not_apply_is_an_error(args: list[str], named: str) -> 
                           text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert named in proc.stderr and "target" in proc.stderr
+
+
+def test_the_table_fits_120_columns_names_its_columns_and_marks_noise() -> None:
+    from benchmarks.columns import SUITE_COLUMNS
+    from benchmarks.measure import Stats
+    from benchmarks.records import Row
+    from benchmarks.report import format_table
+    from benchmarks.strategies import ProgramMemory
+
+    def row(strategy: str, median: float, iqr: float) -> Row:
+        step = Stats(median, median - iqr / 2, median + iqr / 2, median - iqr, median + iqr, 15)
+        return Row("transformer_block", strategy, step=step, ratio_vs_fused=median / 0.010,
+                   memory=ProgramMemory(1, 12_000_000, 1, 13_000_000, 9_000_000))
+    rows = [row("fused", 0.010, 0.0002), row("checkpoint:dots_with_no_batch_dims_saveable", 0.0101, 0.0004),
+            row("aotgrad:min_cut@0.5", 0.012, 0.0002), Row("transformer_block", "aotgrad:broken", error="build: no")]
+    table = format_table(rows)
+    assert max(len(line) for line in table.splitlines()) <= 120
+    names = [c.name for c in SUITE_COLUMNS]
+    assert "peak (1 jit) / fused" in names and "peak (2 progs) / fused" in names
+    legend = table[table.index("\ncolumns:"):]
+    assert all(f"  {n}: " in legend for n in names)  # every column explained under the table
+    lines: dict[str, str] = {}  # each strategy's line in the first panel
+    for line in table.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            lines.setdefault(line.split()[0], line)
+    assert "~1.01x" in lines["checkpoint:dots_with_no_batch_dims_saveable"]  # inside the noise
+    assert " 1.20x" in lines["aotgrad:min_cut@0.5"] and "~" not in lines["aotgrad:min_cut@0.5"]
+    assert "FAILED: build: no" in lines["aotgrad:broken"]
+    assert len(format_table(rows, width=80).split("\nstrategy")) > len(table.split("\nstrategy"))  # wraps
