@@ -23,6 +23,11 @@ from aotgrad.signature import ArgSpec, argnum_positions
 
 __all__ = ["Exported", "LoadedEntries", "deserialize"]
 
+# jax.export serializes with flatbuffers, an optional dependency: how to install it, from a
+# package index and from a clone of the repository.
+_FLATBUFFERS = ("needs the 'flatbuffers' package: pip install 'aotgrad[export]' (from a clone of the "
+                "repository: pip install -e '.[export]')")
+
 _NO_HOOKS = ("aotgrad.Exported({name}): hooks cannot be added to an exported function: its backward "
              "is the exported program, which hooks cannot enter. Transform the gradients after the "
              "backward instead.")
@@ -145,8 +150,7 @@ class Exported(AOTFunction):
                                   f"structure cannot be stored: {e} (in the loading process too), or "
                                   f"pass dicts, lists and tuples.") from e
             except ImportError as e:
-                raise ExportError(f"aotgrad.Exported({self.name}).serialize needs the 'flatbuffers' "
-                                  f"package (pip install 'aotgrad[export]'): {e}") from e
+                raise ExportError(f"aotgrad.Exported({self.name}).serialize {_FLATBUFFERS}. {e}") from e
         consts = []
         for i, c in enumerate(self.entry.fwd.consts):
             if jax.dtypes.issubdtype(c.dtype, jax.dtypes.extended):
@@ -217,8 +221,7 @@ def deserialize(blob: bytes) -> Exported:
     try:
         programs = {name: jax.export.deserialize(bytearray(sections[name])) for name in PROGRAMS}
     except ImportError as e:
-        raise ExportError(f"aotgrad.deserialize needs the 'flatbuffers' package "
-                          f"(pip install 'aotgrad[export]'): {e}") from e
+        raise ExportError(f"aotgrad.deserialize {_FLATBUFFERS}. {e}") from e
     except Exception as e:
         raise ExportError(f"aotgrad.deserialize: the export's programs cannot be read: {e}. If the "
                           f"pytrees hold types registered with jax.export.register_pytree_node_"
