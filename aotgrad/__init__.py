@@ -37,6 +37,9 @@ from aotgrad.loss_scale import all_finite as all_finite
 from aotgrad.loss_scale import select_tree as select_tree
 from aotgrad.partition import partitioners as partitioners
 from aotgrad.partition import register_partitioner as register_partitioner
+from aotgrad.planning import DoesNotFit as DoesNotFit
+from aotgrad.planning import Plan as Plan
+from aotgrad.planning import plan as plan
 from aotgrad.report import Memory as Memory
 from aotgrad.report import Report as Report
 from aotgrad.report import SavedValue as SavedValue
@@ -45,9 +48,9 @@ from aotgrad.runtime import Saved as Saved
 from aotgrad.runtime import Timings as Timings
 
 __all__ = ["AOTFunction", "BudgetUnreachable", "CacheInfo", "CastCounts", "Compiled", "ConfigError",
-           "DynamicLossScale", "ExportError", "Exported", "HookHandle", "Lowered", "Memory", "Report",
-           "Saved", "SavedValue", "Timings", "Traced", "all_finite", "autocast", "autocast_policy_table", "compile",
-           "config", "deserialize", "explain", "export", "fwd_and_bwd", "grad_hook", "partitioners",
-           "register_autocast_policy", "register_partitioner", "select_tree"]
+           "DoesNotFit", "DynamicLossScale", "ExportError", "Exported", "HookHandle", "Lowered", "Memory", "Plan",
+           "Report", "Saved", "SavedValue", "Timings", "Traced", "all_finite", "autocast", "autocast_policy_table",
+           "compile", "config", "deserialize", "explain", "export", "fwd_and_bwd", "grad_hook", "partitioners",
+           "plan", "register_autocast_policy", "register_partitioner", "select_tree"]
 
 __version__ = "0.1.0"

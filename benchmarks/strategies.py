@@ -33,6 +33,7 @@ from jax.extend.core import Var
 
 import aotgrad
 from aotgrad.config import budget_from_text
+from aotgrad.planning.measure import xla_peak
 from benchmarks.workloads import Workload, build
 
 __all__ = ["AOTGRAD_PREFIX", "BASE_STRATEGIES", "BuildSeconds", "CHECKPOINT_POLICIES", "Prepared",
@@ -185,13 +186,6 @@ def _stats(compiled: Any) -> tuple[int | None, int | None]:
     if m is None:
         return None, None
     return int(m.temp_size_in_bytes), xla_peak(m)
-
-
-def xla_peak(m: Any) -> int:
-    """A program's peak bytes from its `memory_analysis()`: arguments + outputs - outputs
-    aliased to (donated) arguments + scratch."""
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-               + m.temp_size_in_bytes)
 
 
 def _fused(w: Workload, memory: bool, name: str = "fused") -> Prepared:

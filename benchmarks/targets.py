@@ -21,23 +21,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
-import re
 import time
 from typing import Any, Callable, Sequence
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 
 import aotgrad
-from aotgrad._jax_internals import hlo_cost
+from aotgrad.planning.measure import async_slice_excess, measure
+from aotgrad.planning.place import per_device_bytes, place
 from aotgrad.targets import resolve as resolve_target
 from benchmarks.strategies import (AOTGRAD_PREFIX, CHECKPOINT_PREFIX, CHECKPOINT_STRATEGIES, aotgrad_options,
-                                   checkpointed, xla_peak)
+                                   checkpointed)
 from benchmarks.workloads import Workload, build
 
-__all__ = ["TargetRow", "compile_step", "format_rows", "plot", "run_target", "step_and_context",
+__all__ = ["TargetRow", "async_slice_excess", "compile_step", "format_rows", "plot", "run_target", "step_and_context",
            "target_strategies"]
 
 BUDGETS = (1.0, 0.5, 0.2, 0.0)
@@ -67,59 +65,10 @@ class TargetRow:
         return None if self.bytes_accessed is None else self.bytes_accessed - self.slice_excess
 
 
-def _fsdp_spec(shape: tuple[int, ...], n: int) -> PartitionSpec:
-    """Shards a parameter's largest axis that the device count divides (replicated if none)."""
-    axes = sorted(range(len(shape)), key=lambda a: -shape[a])
-    for a in axes:
-        if shape[a] % n == 0 and shape[a] >= n:
-            return PartitionSpec(*[("data" if i == a else None) for i in range(len(shape))])
-    return PartitionSpec()
-
-
 def _specs(w: Workload, mesh: jax.sharding.Mesh, sharding: str) -> tuple[Any, Any]:
-    n = mesh.size
-
-    def batch_spec(x: Any) -> Any:
-        p = PartitionSpec("data") if n > 1 and x.shape and x.shape[0] % n == 0 else PartitionSpec()
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, p))
-
-    def param_spec(x: Any) -> Any:
-        p = _fsdp_spec(x.shape, n) if sharding == "fsdp" and n > 1 else PartitionSpec()
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, p))
-    return jax.tree.map(param_spec, w.params), jax.tree.map(batch_spec, w.batch)
-
-
-_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
-               "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-# `%x = ((f32[768,2304]{1,0:T(8,128)}), f32[192,2304]{...}, s32[]{...}) slice-start(%w), ...`:
-# the operand's shape, then the slice's (a layout may hold parentheses, never braces).
-_SLICE_START = re.compile(r"= \(\((\w+)\[([\d,]*)\](?:\{[^}]*\})?\), (\w+)\[([\d,]*)\].*? slice-start\(")
-
-
-def _array_bytes(dtype: str, dims: str) -> int:
-    return math.prod(int(d) for d in dims.split(",") if d) * _ITEM_BYTES[dtype]
-
-
-def async_slice_excess(hlo_text: str) -> int:
-    """What XLA's cost analysis charges the asynchronous slices of an optimized module
-    (`slice-start`) beyond the bytes they move. A slice is charged what it moves (its
-    output, read and written), but an asynchronous one the whole operand as well: XLA:TPU
-    copies a weight into on-chip memory in four slices, each charged the whole weight.
-    Returns the sum over slices of operand bytes minus slice bytes."""
-    excess = 0
-    for line in hlo_text.splitlines():
-        m = _SLICE_START.search(line)
-        if m:
-            excess += _array_bytes(m[1], m[2]) - _array_bytes(m[3], m[4])
-    return excess
-
-
-def _per_device_bytes(tree: Any) -> int:
-    total = 0
-    for s in jax.tree.leaves(tree):
-        shard = s.sharding.shard_shape(s.shape)
-        total += math.prod(shard) * s.dtype.itemsize
-    return total
+    """The workload's parameters and batch placed on the mesh as `aotgrad.plan` places them."""
+    params, (batch,), _ = place(w.params, [w.batch], {}, mesh, sharding)
+    return params.dynamic, batch.dynamic
 
 
 def step_and_context(strategy: str, w: Workload) -> tuple[Callable[..., Any], Callable[[], Any]]:
@@ -143,18 +92,13 @@ def compile_step(strategy: str, w: Workload, params: Any, batch: Any) -> Any:
 def _measure(strategy: str, w: Workload, params: Any, batch: Any) -> TargetRow:
     t0 = time.perf_counter()
     try:
-        compiled = compile_step(strategy, w, params, batch)
+        _, m = measure(lambda: compile_step(strategy, w, params, batch))
     except Exception as e:  # a strategy that cannot be built for the target is a row that says why
         return TargetRow(w.name, strategy, None, None, None, None, time.perf_counter() - t0,
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    seconds = time.perf_counter() - t0
-    m = compiled.memory_analysis()
-    peak = None if m is None else xla_peak(m)
-    cost = hlo_cost(compiled)
-    inputs = _per_device_bytes((params, batch))
-    return TargetRow(w.name, strategy, peak, None if peak is None else peak - inputs,
-                     cost.get("bytes accessed"), cost.get("flops"), seconds,
-                     slice_excess=async_slice_excess(compiled.as_text()))
+    inputs = per_device_bytes((params, batch))
+    return TargetRow(w.name, strategy, m.peak_bytes, None if m.peak_bytes is None else m.peak_bytes - inputs,
+                     m.bytes_accessed, m.flops, m.compile_s, slice_excess=m.slice_excess)
 
 
 def run_target(target_name: str, workloads: Sequence[tuple[str, str, dict]], *, devices: int = 1,

@@ -24,7 +24,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "pipeline": ("config", "compilation_cache", "pipeline"),
     "runtime": ("hooks", "anomaly", "runtime", "entry"),
     "api": ("nnx", "api", "api.stages", "api.cache", "api.function", "api.fwd_bwd"),
-    "tools": ("report", "export", "export.blob", "export.programs", "export.loaded", "export.build"),
+    "tools": ("report", "export", "export.blob", "export.programs", "export.loaded", "export.build",
+              "planning", "planning.place", "planning.steps", "planning.measure", "planning.table",
+              "planning.build"),
     "face": ("",),
 }
 INDEPENDENT = ("partition", "autocast")  # passes that must not import each other

@@ -1,6 +1,6 @@
 """`aotgrad.targets` and `aotgrad.plan` on this machine's CPU (jax 0.10.2 and later, no
-compiler plugin needed). Where the CUDA compiler plugin is installed, `tests/plan_gpu_cases.py`
-checks the same against a compile-only H100 (run by `test_gpu_target.py`)."""
+compiler plugin needed). Where the CUDA compiler plugin is installed, `tests/gpu_target_cases.py`
+checks `plan` against a compile-only H100 too (run by `test_gpu_target.py`)."""
 from __future__ import annotations
 
 import importlib.util
@@ -96,3 +96,278 @@ def test_a_missing_gpu_compiler_names_the_extra_to_install():
 def test_a_missing_tpu_compiler_names_what_to_install():
     with pytest.raises(targets.TargetUnavailable, match=r"jax\[tpu\]"):
         targets.resolve("tpu-v5e").mesh(1)
+
+
+# ----------------------------------------------------------------------------- plan on the CPU
+
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import aotgrad  # noqa: E402
+from aotgrad.planning.place import PlacementError, place  # noqa: E402
+
+BUDGETS = [1.0, 0.5, 0.0]
+
+
+def mlp_loss(params, x):
+    h = x
+    for i in range(3):
+        h = jnp.tanh(h @ params[f"w{i}"] + params[f"b{i}"])
+    return jnp.mean(h ** 2)
+
+
+def mlp_args(width=64, batch=32):
+    params = {}
+    for i in range(3):
+        params[f"w{i}"] = jax.ShapeDtypeStruct((width, width), jnp.float32)
+        params[f"b{i}"] = jax.ShapeDtypeStruct((width,), jnp.float32)
+    return params, jax.ShapeDtypeStruct((batch, width), jnp.float32)
+
+
+def _on_cpu(tree):
+    """The reference's own placement: every leaf on a one-device CPU mesh, replicated."""
+    mesh = jax.sharding.Mesh(jax.devices("cpu")[:1], ("data",))
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), tree)
+
+
+def _reference(jitted, *args):
+    """(peak, bytes accessed, flops) of `jitted` compiled for `args`, read from XLA directly."""
+    compiled = jitted.lower(*args).compile()
+    m = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    peak = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    return peak, cost["bytes accessed"], cost["flops"]
+
+
+def _steps(loss):
+    yield "fused", None, jax.jit(jax.value_and_grad(loss))
+    for b in BUDGETS:
+        with aotgrad.config.patch(activation_memory_budget=b):
+            yield "aotgrad", b, jax.jit(jax.value_and_grad(aotgrad.compile(loss)))
+
+
+def _assert_rows_match(plan, loss, args):
+    rows = {(r.strategy, r.budget): r for r in plan.rows}
+    assert len(rows) == 1 + len(BUDGETS)
+    for strategy, budget, jitted in _steps(loss):
+        with aotgrad.config.patch(activation_memory_budget=1.0 if budget is None else budget):
+            want = _reference(jitted, *args)
+        row = rows[strategy, budget]
+        assert (row.peak_bytes, row.bytes_moved, row.flops) == want, (strategy, budget, row, want)
+
+
+def test_plan_rows_are_what_xla_reports_for_the_same_steps(capsys):
+    """Each row's peak, bytes and FLOPs are XLA's numbers for jax.jit(jax.value_and_grad(...)) of
+    the same loss, compiled here independently on the same devices."""
+    params, x = mlp_args()
+    plan = aotgrad.plan(mlp_loss, params, x, target="cpu", budgets=BUDGETS)
+    _assert_rows_match(plan, mlp_loss, _on_cpu((params, x)))
+    assert plan.rows[0].strategy == "fused" and plan.rows[0].budget is None
+    assert all(r.compile_s > 0 and r.est_step_s is None for r in plan.rows)  # no bandwidth known for a CPU
+    err = capsys.readouterr().err
+    assert err.count("compiling") == 1 + len(BUDGETS), err
+
+
+def test_plan_takes_arrays_as_well_as_shapes():
+    params, x = mlp_args()
+    arrays = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), (params, x))
+    a = aotgrad.plan(mlp_loss, *arrays, target=None, budgets=[0.0])
+    b = aotgrad.plan(mlp_loss, params, x, target="cpu", budgets=[0.0])
+    assert [(r.peak_bytes, r.bytes_moved) for r in a.rows] == [(r.peak_bytes, r.bytes_moved) for r in b.rows]
+
+
+def test_plan_with_an_optimizer_is_the_whole_training_step():
+    """optax.adam's update in the step, parameters and state donated: the reference is the
+    training step written out by hand."""
+    optax = pytest.importorskip("optax")
+    params, x = mlp_args()
+    opt = optax.adam(1e-3)
+    plan = aotgrad.plan(mlp_loss, params, x, target="cpu", budgets=[0.0], optimizer=opt)
+
+    def train_step(grad):
+        def step(p, state, x):
+            value, grads = grad(p, x)
+            updates, state = opt.update(grads, state, p)
+            return value, optax.apply_updates(p, updates), state
+        return jax.jit(step, donate_argnums=(0, 1))
+    state = jax.eval_shape(opt.init, params)
+    args = _on_cpu((params, state, x))
+    fused = _reference(train_step(jax.value_and_grad(mlp_loss)), *args)
+    with aotgrad.config.patch(activation_memory_budget=0.0):
+        zero = _reference(train_step(jax.value_and_grad(aotgrad.compile(mlp_loss))), *args)
+    assert [(r.peak_bytes, r.bytes_moved, r.flops) for r in plan.rows] == [fused, zero]
+    no_opt = aotgrad.plan(mlp_loss, params, x, target="cpu", budgets=[])
+    assert plan.rows[0].peak_bytes > no_opt.rows[0].peak_bytes  # the moments are held too
+
+
+def test_plan_takes_an_equinox_module_with_static_leaves():
+    """An Equinox MLP holds functions and ints beside its arrays: those are passed as they are."""
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(16, 4, 32, 2, key=jax.random.key(0))
+    x = jnp.ones((8, 16))
+
+    def loss(m, x):
+        return jnp.mean(jax.vmap(m)(x) ** 2)
+    plan = aotgrad.plan(loss, model, x, target="cpu", budgets=[0.0])
+    arrays, static = eqx.partition(model, eqx.is_array)
+    want = _reference(jax.jit(jax.value_and_grad(lambda a, x: loss(eqx.combine(a, static), x))), *_on_cpu((arrays, x)))
+    assert (plan.rows[0].peak_bytes, plan.rows[0].bytes_moved, plan.rows[0].flops) == want
+
+
+def test_plan_takes_a_flax_nnx_module():
+    """Its Param state is differentiated, its other state (random keys) passed along."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(16, 32, rngs=rngs)
+            self.b = nnx.Linear(32, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jnp.tanh(self.a(x)))
+
+    model = Model(nnx.Rngs(0))
+    x = jnp.ones((8, 16))
+
+    def loss(m, x):
+        return jnp.mean(m(x) ** 2)
+    plan = aotgrad.plan(loss, model, x, target="cpu", budgets=[0.0])
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    want = _reference(jax.jit(jax.value_and_grad(lambda p, r, x: loss(nnx.merge(graphdef, p, r), x))),
+                      *_on_cpu((params, rest, x)))
+    assert (plan.rows[0].peak_bytes, plan.rows[0].flops) == (want[0], want[2])
+    assert plan.rows[1].peak_bytes is not None
+
+
+def test_fit_never_returns_a_row_over_the_limit():
+    params, x = mlp_args(width=128, batch=256)
+    plan = aotgrad.plan(mlp_loss, params, x, target="cpu", budgets=BUDGETS)
+    peaks = sorted({r.peak_bytes for r in plan.rows})
+    for limit in [p + d for p in peaks for d in (-1, 0, 1)] + [10 ** 12, "1TB"]:
+        try:
+            row = plan.fit(limit)
+        except aotgrad.DoesNotFit as e:
+            assert limit == peaks[0] - 1 or e.smallest > (limit if isinstance(limit, int) else 10 ** 12)
+            assert f"smallest peak reached is {e.smallest:,} bytes" in str(e)
+            continue
+        n = limit if isinstance(limit, int) else 10 ** 12
+        assert row.peak_bytes <= n
+        fitting = [r for r in plan.rows if r.peak_bytes <= n]
+        assert not fitting or row.bytes_moved <= min(r.bytes_moved for r in fitting)
+    with pytest.raises(aotgrad.DoesNotFit, match="no step fits in 1,000 bytes per device on 1 x cpu"):
+        plan.fit("1KB")
+    assert plan.fit(plan.rows[0].peak_bytes).strategy == "fused"
+
+
+def test_the_table_json_and_plot(tmp_path):
+    params, x = mlp_args()
+    plan = aotgrad.plan(mlp_loss, params, x, target="cpu", budgets=[1, "1MB"])
+    text = str(plan)
+    assert all(len(line) <= 100 for line in text.splitlines()), text
+    assert f"1 x cpu (dp); jax {jax.__version__}" in text and "aotgrad@1MB" in text and "estimate" in text
+    data = plan.to_json()
+    import json
+    assert json.loads(json.dumps(data)) == data
+    assert (data["target"], data["devices"], data["versions"]["jax"]) == ("cpu", 1, jax.__version__)
+    assert [r["budget"] for r in data["rows"]] == [None, 1, "1MB"]
+    assert set(data["rows"][0]) == {"strategy", "budget", "peak_bytes", "bytes_moved", "flops", "est_step_s",
+                                    "compile_s"}
+    pytest.importorskip("matplotlib")
+    assert plan.plot(str(tmp_path / "plan.png")) == str(tmp_path / "plan.png")
+    assert (tmp_path / "plan.png").stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+@pytest.mark.parametrize("budgets, message", [
+    ([1.5], r"budgets\[0\]=1.5: aotgrad.config.activation_memory_budget must be a fraction in \[0, 1\] or a byte"),
+    ([0.5, -0.1], r"budgets\[1\]=-0.1"),
+    ([1, "12 parsecs"], r"budgets\[1\]='12 parsecs': .*a byte size is a number with a unit"),
+])
+def test_a_bad_budget_is_refused_before_anything_compiles(budgets, message, capsys):
+    params, x = mlp_args()
+    with pytest.raises(ValueError, match=message):
+        aotgrad.plan(mlp_loss, params, x, target="cpu", budgets=budgets)
+    assert "compiling" not in capsys.readouterr().err
+
+
+def test_bad_targets_and_device_counts_are_refused(capsys):
+    params, x = mlp_args()
+    with pytest.raises(targets.TargetError, match="unknown target 'v100'; known: 'h100', 'a100'"):
+        aotgrad.plan(mlp_loss, params, x, target="v100")
+    n = len(jax.devices("cpu"))
+    with pytest.raises(targets.TargetError, match=rf"devices={n + 1}: target cpu has {n} devices"):
+        aotgrad.plan(mlp_loss, params, x, target="cpu", devices=n + 1)
+    assert "compiling" not in capsys.readouterr().err
+
+
+def test_a_function_that_reads_a_value_is_named():
+    params, x = mlp_args()
+
+    def reads(params, x):
+        if jnp.sum(x) > 0:  # a branch on data
+            return mlp_loss(params, x)
+        return 0.0
+    with pytest.raises(TypeError, match=r"plan: fn \(.*reads\) reads the value of an argument"):
+        aotgrad.plan(reads, params, x, target="cpu")
+
+
+def test_a_split_that_does_not_divide_an_axis_names_the_leaf():
+    """Checked on an abstract mesh of 4 devices (no devices needed)."""
+    mesh = jax.sharding.AbstractMesh((4,), ("data",))
+    params, _ = mlp_args(width=64)
+    batch = {"x": jax.ShapeDtypeStruct((6, 64), jnp.float32)}
+    with pytest.raises(PlacementError, match=r"sharding of args\[1\]\['x'\]: axis 0 of shape \(6, 64\) is not "
+                                             r"divisible by the 4 devices"):
+        place(params, [batch], {}, mesh, "dp")
+    odd = {**params, "odd": jax.ShapeDtypeStruct((6,), jnp.float32)}
+    with pytest.raises(PlacementError, match=r"sharding of args\[0\]\['odd'\]: axis 0 of shape \(6,\) is not"):
+        place(odd, [batch], {}, mesh, ({k: P("data") for k in odd}, P()))
+    bad = {k: P() for k in params} | {"w1": P(None, "model")}
+    with pytest.raises(PlacementError, match=r"args\[0\]\['w1'\]: .* names mesh axis 'model'"):
+        place(params, [{"x": jax.ShapeDtypeStruct((8, 64), jnp.float32)}], {}, mesh, (bad, P()))
+    with pytest.raises(PlacementError, match="one entry .* per positional argument"):
+        place(params, [batch], {}, mesh, (P(),))
+    with pytest.raises(PlacementError, match="sharding must be 'dp', 'fsdp'"):
+        place(params, [batch], {}, mesh, "tp")
+    placed, (rest,), _ = place(params, [{"x": jax.ShapeDtypeStruct((8, 64), jnp.float32)}], {}, mesh, "fsdp")
+    assert placed.dynamic["w0"].sharding.spec == P("data", None) and placed.dynamic["b0"].sharding.spec == P("data")
+    assert rest.dynamic["x"].sharding.spec == P("data")
+
+
+FOUR_CPU_CASE = """
+import jax, jax.numpy as jnp, aotgrad
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tests.test_plan import mlp_args, mlp_loss, _reference
+assert len(jax.devices("cpu")) == 4
+params, x = mlp_args(width=64, batch=32)
+mesh = jax.sharding.Mesh(jax.devices("cpu"), ("data",))
+put = lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+for sharding, param_spec in [("dp", lambda a: P()), ("fsdp", lambda a: P("data", *[None] * (a.ndim - 1)))]:
+    plan = aotgrad.plan(mlp_loss, params, x, target="cpu", devices=4, sharding=sharding, budgets=[0.0])
+    args = (jax.tree.map(lambda a: put(a, param_spec(a)), params), put(x, P("data")))
+    fused = _reference(jax.jit(jax.value_and_grad(mlp_loss)), *args)
+    with aotgrad.config.patch(activation_memory_budget=0.0):
+        zero = _reference(jax.jit(jax.value_and_grad(aotgrad.compile(mlp_loss))), *args)
+    got = [(r.peak_bytes, r.bytes_moved, r.flops) for r in plan.rows]
+    assert got == [fused, zero], (sharding, got, fused, zero)
+try:
+    aotgrad.plan(mlp_loss, params, jax.ShapeDtypeStruct((30, 64), jnp.float32), target="cpu", devices=4)
+except ValueError as e:
+    assert "sharding of args[1]: axis 0 of shape (30, 64) is not divisible by the 4 devices" in str(e), e
+else:
+    raise AssertionError("a batch of 30 split over 4 devices was accepted")
+print("ok")
+"""
+
+
+def test_plan_on_four_cpu_devices_data_parallel_and_fsdp():
+    """On 4 CPU devices (a process of its own): dp and fsdp rows equal the steps compiled here
+    with the arguments placed by hand; a batch the devices do not divide is refused."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", FOUR_CPU_CASE], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

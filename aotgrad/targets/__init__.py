@@ -22,7 +22,7 @@ import importlib.resources
 import math
 import os
 import pathlib
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import numpy as np
