@@ -8,11 +8,16 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+
+
+def fenced(path: pathlib.Path) -> list[tuple[str, str]]:
+    """The fenced code blocks of `path`, in order: (language, text)."""
+    return FENCE.findall(path.read_text())
 
 
 def _blocks(path: pathlib.Path) -> list[str]:
-    return FENCE.findall(path.read_text())
+    return [text for language, text in fenced(path) if language == "python"]
 
 
 @pytest.mark.parametrize("path", [p for p in DOCS if _blocks(p)], ids=lambda p: p.name)
