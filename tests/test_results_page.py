@@ -1,0 +1,150 @@
+"""docs/results.md and the measured numbers the docs quote come from the committed results
+files (docs/results/*.json): the page is made from them and the docs' markers are filled
+from them, and a number written into docs/benchmarks.md by hand fails here."""
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+
+from benchmarks import results_page
+from benchmarks.columns import SUITE_COLUMNS, TARGET_COLUMNS, pick_suite, pick_target, within_noise
+from benchmarks.measure import Stats
+from benchmarks.records import Row
+from benchmarks.results_files import RESULTS_DIR, ResultsError, load_dir, load_run
+from benchmarks.strategies import ProgramMemory
+from benchmarks.targets import TargetRow
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BENCHMARKS_MD = ROOT / "docs" / "benchmarks.md"
+EARLIER = "## Earlier measurements"  # dated, at a named commit: the one part with numbers of its own
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+CODE = re.compile(r"`[^`\n]*`")
+# A measured number: a ratio with decimals (0.55x), or a size or a time with its unit.
+MEASURED = re.compile(r"\b\d+\.\d+x\b|\b\d+(?:\.\d+)?\s?(?:KB|MB|GB|TB|ms|us|s|seconds?|minutes?)\b")
+
+
+def test_the_results_page_and_the_docs_markers_are_current() -> None:
+    stale = results_page.stale(load_dir())
+    assert not stale, (f"not made from {RESULTS_DIR.relative_to(ROOT)}: "
+                       f"{sorted(str(p.relative_to(ROOT)) for p in stale)}; run python -m benchmarks.results_page")
+
+
+def test_each_suite_and_target_has_one_results_file_with_its_command() -> None:
+    runs = load_dir()
+    assert {r.is_target for r in runs} == {False, True}, "a suite's run and a compile-only target's"
+    for r in runs:
+        assert r.command.startswith("python -m benchmarks.run"), (r.file, r.command)
+        assert r.machine.get("cpu_count") and r.versions.get("jax") and r.date[:4].isdigit()
+
+
+def _measured_outside_markers(text: str) -> list[str]:
+    """The measured numbers in `text` outside markers, code blocks and inline code."""
+    text = CODE.sub("", FENCE.sub("", results_page.MARKER.sub("", text)))
+    return [m.group(0) for m in MEASURED.finditer(text)]
+
+
+def test_benchmarks_md_quotes_measured_numbers_only_from_results_files() -> None:
+    text = BENCHMARKS_MD.read_text()
+    current, _, earlier = text.partition(EARLIER)
+    assert earlier, f"docs/benchmarks.md has no section {EARLIER!r}"
+    assert _measured_outside_markers(current) == [], "write measured numbers through a results marker"
+    # What is left of the notebook is dated and names its commit.
+    for heading in re.findall(r"^### (.*)$", earlier, re.M):
+        assert re.search(r"\(20\d\d-\d\d-\d\d, .*\b[0-9a-f]{7}\)$", heading), heading
+
+
+def test_a_hand_written_number_is_caught() -> None:
+    assert _measured_outside_markers("budget 1 peaks at 0.55x the fused step, 12.5 MB") == ["0.55x", "12.5 MB"]
+    assert _measured_outside_markers("a 4x4 loss, `aotgrad:min_cut@2.4GB`, B=8, 5%") == []
+    assert _measured_outside_markers("<!-- results:minutes cpu -->11 minutes<!-- /results -->") == []
+
+
+# ----------------------------------------------------------------------------- the files
+
+
+def _write(tmp: pathlib.Path, name: str, data: object) -> pathlib.Path:
+    p = tmp / name
+    p.write_text(json.dumps(data) if not isinstance(data, str) else data)
+    return p
+
+
+def test_a_missing_or_malformed_results_file_is_an_error_naming_it(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ResultsError, match="none.json: no such results file"):
+        load_run(tmp_path / "none.json", tmp_path)
+    with pytest.raises(ResultsError, match="bad.json: not a readable JSON file"):
+        load_run(_write(tmp_path, "bad.json", "{"), tmp_path)
+    good = json.loads((RESULTS_DIR / "cpu.json").read_text())
+    no_date = {k: v for k, v in good.items() if k != "date"}
+    with pytest.raises(ResultsError, match="nodate.json: no 'date' field"):
+        load_run(_write(tmp_path, "nodate.json", no_date), tmp_path)
+    row = {k: v for k, v in good["rows"][0].items() if k != "strategy"}
+    with pytest.raises(ResultsError, match=r"norow.json: rows\[0\]: Row lacks the field 'strategy'"):
+        load_run(_write(tmp_path, "norow.json", {**good, "rows": [row]}), tmp_path)
+    with pytest.raises(ResultsError, match="no results files"):
+        load_dir(tmp_path / "empty", tmp_path)
+
+
+def test_two_files_of_one_suite_are_an_error_naming_both(tmp_path: pathlib.Path) -> None:
+    good = (RESULTS_DIR / "cpu.json").read_text()
+    _write(tmp_path, "a.json", good)
+    _write(tmp_path, "b.json", good)
+    with pytest.raises(ResultsError, match="a.json and b.json are both runs of suite"):
+        load_dir(tmp_path, tmp_path)
+
+
+def test_a_marker_that_names_nothing_is_an_error_naming_the_doc() -> None:
+    runs = load_dir()
+    with pytest.raises(ResultsError, match="guide.md: .*no row"):
+        results_page.fill_markers("<!-- results:cell cpu | mlp | nope | step ms -->1<!-- /results -->", runs,
+                                  "guide.md")
+    with pytest.raises(ResultsError, match="guide.md: no results file nope.json"):
+        results_page.fill_markers("<!-- results:minutes nope --><!-- /results -->", runs, "guide.md")
+    cpu = next(r for r in runs if r.name == "cpu")
+    first = cpu.rows[0]
+    text = f"<!-- results:cell cpu | {first.workload} | {first.strategy} | step ms -->stale<!-- /results -->"
+    assert f"-->{first.step.median * 1e3:.2f}<!--" in results_page.fill_markers(text, runs)
+
+
+# ----------------------------------------------------------------------------- what to pick
+
+
+def _row(strategy: str, median: float, iqr: float, peak: int, jitted: int | None) -> Row:
+    step = Stats(median, median - iqr / 2, median + iqr / 2, median - iqr, median + iqr, 5)
+    return Row("w", strategy, step=step, ratio_vs_fused=median / 10.0,
+               memory=ProgramMemory(None, peak, None, None, jitted))
+
+
+def test_the_pick_is_the_lowest_peak_within_five_percent_of_the_fused_time() -> None:
+    rows = [_row("fused", 10.0, 0.2, 100, 100), _row("aotgrad:min_cut@0.5", 10.4, 0.5, 80, 60),
+            _row("checkpoint:nothing_saveable", 12.0, 0.2, 40, 40), _row("jax_fwd_and_bwd", 10.1, 0.2, 50, None)]
+    pick = pick_suite(rows)["w"]
+    assert pick is not None and pick.strategy == "jax_fwd_and_bwd"  # no jitted step: its two programs' peak
+    assert pick.peak_ratio == 0.5 and pick.noisy  # 0.1 apart, inside the IQR of 0.2
+    pick = pick_suite(rows[:3])["w"]
+    assert pick is not None and (pick.strategy, pick.peak_ratio, pick.noisy) == ("aotgrad:min_cut@0.5", 0.6, True)
+    assert pick_suite(rows[1:])["w"] is None  # nothing to compare with
+    alone = pick_suite(rows[:1])["w"]
+    assert alone is not None and alone.strategy == "fused"
+
+
+def test_a_targets_pick_uses_bytes_moved_as_the_time() -> None:
+    def row(strategy: str, act: int, moved: float) -> TargetRow:
+        return TargetRow("w", strategy, act + 10, act, moved, 1.0, 1.0)
+    rows = [row("fused", 100, 1e9), row("aotgrad:min_cut@0", 30, 1.2e9), row("aotgrad:min_cut@0.5", 50, 1.04e9)]
+    pick = pick_target(rows)["w"]
+    assert pick is not None and (pick.strategy, pick.peak_ratio) == ("aotgrad:min_cut@0.5", 0.5)
+
+
+def test_noise_is_a_difference_within_the_wider_interquartile_range() -> None:
+    a = Stats(10.0, 9.5, 10.5, 9.0, 11.0, 5)
+    assert within_noise(a, Stats(10.9, 10.8, 11.0, 10.7, 11.1, 5))
+    assert not within_noise(a, Stats(11.1, 11.0, 11.2, 10.9, 11.3, 5))
+
+
+def test_every_column_has_a_legend_and_a_unique_name() -> None:
+    for columns in (SUITE_COLUMNS, TARGET_COLUMNS):
+        names = [c.name for c in columns]
+        assert len(set(names)) == len(names) and all(c.legend for c in columns)
