@@ -16,7 +16,7 @@ from benchmarks.records import Row
 from benchmarks.targets import TargetRow
 
 __all__ = ["Column", "NOISE", "OVERHEAD_COLUMNS", "OVERHEAD_KEY", "Pick", "Refs", "SUITE_COLUMNS", "SUITE_KEY", "TARGET_COLUMNS", "TARGET_KEY",
-           "TIME_SLACK", "pick_suite", "pick_target", "within_noise"]
+           "TIME_SLACK", "by_workload", "pick_suite", "pick_target", "suite_refs", "target_refs", "within_noise"]
 
 R = TypeVar("R")
 PEER = "jax_fwd_and_bwd"
@@ -195,11 +195,24 @@ def _lowest(workload: str, fused: R, rows: Sequence[R], peak: Callable[[R], floa
     return Pick(workload, strategy, p / base_peak, t / base_time)
 
 
-def _rows_by_workload(rows: Sequence[R]) -> dict[str, list[R]]:
+def by_workload(rows: Sequence[R]) -> dict[str, list[R]]:
+    """The rows of each workload, in the order the workloads first appear."""
     out: dict[str, list[R]] = {}
     for r in rows:
         out.setdefault(getattr(r, "workload"), []).append(r)
     return out
+
+
+def suite_refs(rows: Sequence[Row]) -> Callable[[Row], Refs[Row]]:
+    """A row's references: its workload's fused and jax_fwd_and_bwd rows that did not fail."""
+    ok = {(r.workload, r.strategy): r for r in rows if r.ok}
+    return lambda r: Refs(ok.get((r.workload, "fused")), ok.get((r.workload, PEER)))
+
+
+def target_refs(rows: Sequence[TargetRow]) -> Callable[[TargetRow], Refs[TargetRow]]:
+    """A target row's reference: its workload's fused step, if it compiled."""
+    ok = {r.workload: r for r in rows if r.error is None and r.strategy == "fused"}
+    return lambda r: Refs(ok.get(r.workload))
 
 
 def pick_suite(rows: Sequence[Row]) -> dict[str, Pick | None]:
@@ -207,7 +220,7 @@ def pick_suite(rows: Sequence[Row]) -> dict[str, Pick | None]:
     the strategy has one; jax_fwd_and_bwd as two programs) among the strategies whose
     median step time is within 5% of the fused step's. None: no fused row to compare with."""
     out: dict[str, Pick | None] = {}
-    for workload, mine in _rows_by_workload(rows).items():
+    for workload, mine in by_workload(rows).items():
         ok = [r for r in mine if r.ok and r.step is not None]
         fused = next((r for r in ok if r.strategy == "fused"), None)
         pick = None if fused is None else _lowest(
@@ -227,7 +240,7 @@ def pick_target(rows: Sequence[TargetRow]) -> dict[str, Pick | None]:
     bytes than the fused step (nothing runs on a compile-only target: bytes moved are
     the time proxy)."""
     out: dict[str, Pick | None] = {}
-    for workload, mine in _rows_by_workload(rows).items():
+    for workload, mine in by_workload(rows).items():
         ok = [r for r in mine if r.error is None]
         fused = next((r for r in ok if r.strategy == "fused"), None)
         out[workload] = None if fused is None else _lowest(workload, fused, ok, lambda r: r.activation_peak,

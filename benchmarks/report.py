@@ -7,7 +7,7 @@ import os
 import textwrap
 from typing import Any, Sequence
 
-from benchmarks.columns import PEER, SUITE_COLUMNS, Refs
+from benchmarks.columns import SUITE_COLUMNS, by_workload, suite_refs
 from benchmarks.records import Row
 
 __all__ = ["format_table", "legend_lines", "plot", "write_json"]
@@ -16,18 +16,6 @@ PLOT_HINT = "pip install -e '.[bench]' to get the plot"
 WIDTH = 120  # the terminal table's width: columns beyond it wrap into another panel
 GAP = 2  # spaces between columns
 INDENT = "  "  # a strategy under its workload
-
-
-def _groups(rows: Sequence[Row]) -> dict[str, list[Row]]:
-    out: dict[str, list[Row]] = {}
-    for r in rows:
-        out.setdefault(r.workload, []).append(r)
-    return out
-
-
-def _refs(mine: Sequence[Row]) -> Refs[Row]:
-    ok = {r.strategy: r for r in mine if r.ok}
-    return Refs(ok.get("fused"), ok.get(PEER))
 
 
 def _panels(widths: Sequence[int], key: int, width: int) -> list[list[int]]:
@@ -47,9 +35,8 @@ def format_table(rows: Sequence[Row], width: int = WIDTH) -> str:
     """The rows grouped by workload, under a two-line header; columns that do not fit
     `width` beside the strategy go to a second panel (a third...), which repeats the
     strategies. A legend for every column follows, then the rows' notes."""
-    groups = _groups(rows)
-    cells = {id(r): [c.cell(r, refs) for c in SUITE_COLUMNS] if r.ok else []
-             for mine in groups.values() for refs in [_refs(mine)] for r in mine}
+    groups, refs = by_workload(rows), suite_refs(rows)
+    cells = {id(r): [c.cell(r, refs(r)) for c in SUITE_COLUMNS] if r.ok else [] for r in rows}
     depth = max(len(c.head) for c in SUITE_COLUMNS)
     heads = [("",) * (depth - len(c.head)) + c.head for c in SUITE_COLUMNS]
     widths = [max([len(h) for h in head] + [len(v[i]) for v in cells.values() if v])
