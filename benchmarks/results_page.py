@@ -71,12 +71,12 @@ def _pick_line(workload: str, p: Pick | None, target: bool) -> str:
     if p is None:
         return f"- `{workload}`: no fused step measured, nothing to compare with."
     if p.strategy == "fused":
-        return (f"- `{workload}`: `fused` (the default); no setting within {SLACK} of its "
+        return (f"- `{workload}`: `fused`, the plain jitted step: no setting within {SLACK} of its "
                 f"{'bytes moved' if target else 'time'} has a lower peak.")
     if target:
         return (f"- `{workload}`: `{p.strategy}`: activation peak {p.peak_ratio:.2f}x the fused step's, "
                 f"{p.time_ratio:.2f}x its bytes moved.")
-    return (f"- `{workload}`: `{p.strategy}`: peak {p.peak_ratio:.2f}x the fused step's, "
+    return (f"- `{workload}`: `{p.strategy}`: peak {p.peak_ratio:.2f}x the fused step's {p.how}, "
             f"step {_tilde(NOISE) if p.noisy else ''}{p.time_ratio:.2f}x its time.")
 
 
