@@ -95,8 +95,8 @@ class Report:
     # ...): the arguments' devices, a compile-only target's included; None for a loaded export.
     device: str | None = None
     # Planned for a step traced under `jax.jit`: one program with its backward, where XLA
-    # frees each saved value after its last reader (`explain(..., under_jit=True)` below
-    # budget 1); False: for a call run eagerly, or the same plan either way.
+    # frees each saved value after its last reader (`explain(..., under_jit=True)`); False:
+    # for programs run apart (an eager call, `fwd_and_bwd`, an export).
     under_jit: bool = False
 
     def __str__(self) -> str:
@@ -105,7 +105,10 @@ class Report:
             rows.append((str(i), str(list(s.shape)), s.dtype, f"{s.nbytes:,}",
                          "input" if s.is_input else "activation", s.primitive, s.source, s.reason))
         device = f", device={self.device!r}" if self.device is not None else ""
-        planned = ", planned for a step under jax.jit" if self.under_jit else ""
+        planned = (", planned for a step under jax.jit (one program: XLA frees each saved value after its "
+                   "last reader)" if self.under_jit else
+                   ", runs apart (saved values cross from the forward program to the backward's, "
+                   "so it saves what crosses cheapest)")
         lines = [f"aotgrad.explain({self.function}), partitioner={self.partitioner!r}{device}{planned}",
                  *_table(rows)]
         lines.append(f"saved activations: {_mb(self.saved_bytes)} in "
@@ -175,10 +178,12 @@ def explain(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None
         *args, **kwargs: its arguments, arrays or `jax.ShapeDtypeStruct`s.
         argnums: the positional arguments differentiated (as in `jax.grad` or
             `aotgrad.fwd_and_bwd`); by default every floating-point input.
-        under_jit: report the plan a step traced under `jax.jit` gets. Below budget 1 it is
-            planned as one program with its backward (XLA frees each saved value after its
-            last reader there), so it may save otherwise than a call run eagerly, the
-            default report. The memory figures are of the two programs compiled apart.
+        under_jit: report the plan a step traced under `jax.jit` gets: planned as one
+            program with its backward (XLA frees each saved value after its last reader
+            there; at budget 1 the fused step's plan), so it may save otherwise than the
+            default report's plan, for programs run apart (`fwd_and_bwd`, an eager
+            `jax.grad`, an export), where every saved value crosses between them. The
+            memory figures are of the two programs compiled apart.
     """
     if isinstance(fn, AOTFunction) and hasattr(fn, "explain"):
         # a loaded export (`export.Exported`): no source, the report made when it was exported

@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 from jax.extend.core import Var
 
 from aotgrad.partition import shards
-from aotgrad.partition.budget import Budget, is_fused_plan
+from aotgrad.partition.budget import Budget
 from aotgrad.partition.vjp import save_what_backward_reads
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import min_cut
@@ -73,12 +73,11 @@ def partitioners() -> tuple[str, ...]:
 
 def plans_staged(strategy: str, budget: Budget) -> bool:
     """Whether `strategy` at `budget` may plan a step traced under `jax.jit` (one program,
-    `JointGraph.staged`) otherwise than one run eagerly (two programs). "vjp" and "min_cut"
-    at budget 1 never do; "min_cut" below 1 or in bytes weighs the step's estimated peak,
-    which differs; a registered strategy may read `graph.staged`, so it is asked for both."""
-    if strategy == "vjp":
-        return False
-    return strategy != "min_cut" or not is_fused_plan(budget)
+    `JointGraph.staged`) otherwise than one run eagerly (two programs). "vjp" never does;
+    "min_cut" always does (budget 1: the fused step's plan under jit, the cheapest cut
+    apart; below 1 or in bytes it weighs the step's estimated peak, which differs); a
+    registered strategy may read `graph.staged`, so it is asked for both."""
+    return strategy != "vjp"
 
 
 def partition(graph: JointGraph, strategy: str, budget: Budget = 1.0) -> Split:

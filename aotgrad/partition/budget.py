@@ -1,7 +1,8 @@
 """`activation_memory_budget`: trading recomputation for a lower step peak.
 
-Budget 1 is the fused step's plan (`Problem.top_cut`: outside scans nothing is
-recomputed, so the step moves what `jax.jit(jax.value_and_grad(f))` moves; see there why).
+Budget 1 plans for where the programs run (`Problem.top_cut`, see there why): in a step
+under `jax.jit` the fused step's plan (outside scans nothing is recomputed, so the step
+moves what `jax.jit(jax.value_and_grad(f))` moves); where they run apart the cheapest cut.
 Below 1 the budget spans the step's peak memory, as estimated before compiling
 (`peak.py`): P1 is the estimated peak of the cut that moves the fewest bytes by the cost
 model (`Problem.cheapest_cut`), P0 the lowest among the candidates, and a budget b < 1
@@ -325,9 +326,8 @@ def within_budget(problem: Problem, budget: Budget, stacked: bool = False) -> di
     bytes for a scan body: `stacked`), or the budget itself if it is `Bytes`."""
     what = "saves" if stacked else "estimated step peak" + (" per device" if problem.graph.devices > 1 else "")
     if isinstance(budget, Bytes) and not stacked:  # budget 1's plan, if it fits
-        top = problem.top_cut(stacked)
-        if estimate(_programs(top)) <= budget.n:
-            return top.reasons(FUSED_REASON)
+        if estimate(_programs(problem.top_cut(stacked))) <= budget.n:
+            return problem.top_reasons(stacked)
     steps = choices(problem, stacked)
     low, high = steps[0].peak, steps[-1].peak
     if isinstance(budget, Bytes):

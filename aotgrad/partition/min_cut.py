@@ -155,15 +155,34 @@ class Problem:
         return self.solve(self.save_costs, np.where(checkpointed, costs, np.inf))
 
     def top_cut(self, stacked: bool) -> "Cut":
-        """Budget 1's cut. Outside scans, the fused step's: a recomputation must wait for its
-        cotangent (`schedule.py`), and that wait splits XLA's fusions, so every cut that
-        recomputes moved more bytes than the fused step on every compiler measured (XLA:CPU
-        3.5-18% on five real models, XLA:GPU 10% on a GPT) even where the model prices it
-        cheaper; the step's peak is what the fused step's is (the user's `jax.checkpoint`
-        regions are recomputed, as there). In a scan body (`stacked`),
-        where a saved value is written into its stack, the cheapest cut: there it moved
-        fewer bytes than the fused step (docs/benchmarks.md)."""
-        return self.cheapest_cut() if stacked else self.fused_cut()
+        """Budget 1's cut: the cheapest for where the programs run.
+
+        In a step traced under `jax.jit` (`JointGraph.staged`, outside scans), the fused
+        step's: XLA compiles forward and backward as one program and frees each value after
+        its last reader, and a recomputation must wait for its cotangent (`schedule.py`),
+        which splits XLA's fusions, so every cut that recomputes moved more bytes than the
+        fused step on every compiler measured (XLA:CPU 3.5-18% on five real models, XLA:GPU
+        10% on a GPT) even where the model prices it cheaper.
+
+        Where the programs run apart (`fwd_and_bwd`, an eager `jax.grad`, an export), every
+        saved value crosses from one program to the other and is held between them: the
+        cheapest cut, which recomputes cheap elementwise work rather than save it, never
+        saving more bytes than the fused step's plan (`jax.vjp`'s). In a scan body
+        (`stacked`), where a saved value is written into its stack, the cheapest cut too: it
+        moved fewer bytes than the fused step there (docs/benchmarks.md)."""
+        if self.graph.staged and not stacked:
+            return self.fused_cut()
+        cheapest = self.cheapest_cut()
+        if stacked:
+            return cheapest
+        fused = self.fused_cut()
+        return cheapest if cheapest.activation_bytes <= fused.activation_bytes else fused
+
+    def top_reasons(self, stacked: bool) -> dict[Var, str]:
+        """Budget 1's saved values (`top_cut`), each with its reason."""
+        if self.graph.staged and not stacked:
+            return self.fused_cut().reasons(FUSED_REASON)
+        return self.top_cut(stacked).reasons()
 
     def solve(self, save: np.ndarray, recompute: np.ndarray) -> "Cut":
         """The minimum cut for these capacities (per value, per equation; inf allowed)."""
@@ -316,7 +335,6 @@ def min_cut(graph: JointGraph, budget: Budget = 1.0, stacked: bool = False) -> d
     `stacked`: the graph is a scan body, whose saved set is held once per iteration."""
     problem = Problem.priced(graph, stacked)
     if is_fused_plan(budget):
-        top = problem.top_cut(stacked)
-        return top.reasons() if stacked else top.reasons(FUSED_REASON)
+        return problem.top_reasons(stacked)
     from aotgrad.partition.budget import within_budget
     return within_budget(problem, budget, stacked)
