@@ -1,0 +1,76 @@
+"""Planning time: lowering a training step through aotgrad against the plain step, for
+unrolled GPTs of tiny width (so the graph, not arithmetic, is what costs).
+
+Each run lowers `jax.jit(jax.value_and_grad(f))` (plain) and
+`jax.jit(jax.value_and_grad(aotgrad.compile(f)))` (aotgrad, under the budget) back to back
+in one process, interleaved over `--repeats` rounds (after one warm-up of the smallest
+model); the table gives the medians and their ratio.
+
+    python -m benchmarks.planning_time --layers 12,24,48,96 --budgets 1,0.5,0 [--out t.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+
+import aotgrad
+from benchmarks.workloads import gpt
+
+SIZES = {"batch": 1, "seq": 8, "d_model": 16, "heads": 2, "vocab": 32}
+
+
+def _lower_seconds(make: Callable[[], Callable[..., Any]], *args: Any) -> float:
+    step = jax.jit(jax.value_and_grad(make()))
+    t0 = time.perf_counter()
+    step.lower(*args)
+    return time.perf_counter() - t0
+
+
+def measure(layers: int, budget: float, repeats: int) -> dict[str, Any]:
+    """Median seconds to lower the plain and the aotgrad step, `repeats` interleaved rounds."""
+    loss_fn, params, batch = gpt(layers=layers, **SIZES)
+    plain, ours = [], []
+    for _ in range(repeats):
+        plain.append(_lower_seconds(lambda: loss_fn, params, batch))
+        with aotgrad.config.patch(activation_memory_budget=budget):
+            ours.append(_lower_seconds(lambda: aotgrad.compile(loss_fn), params, batch))
+    p, a = statistics.median(plain), statistics.median(ours)
+    return {"layers": layers, "budget": budget, "plain_s": p, "aotgrad_s": a, "ratio": a / p,
+            "plain_runs": plain, "aotgrad_runs": ours}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", default="12,24,48,96")
+    parser.add_argument("--budgets", default="1,0.5,0")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    header = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "backend": jax.default_backend(),
+              "sizes": SIZES, "repeats": args.repeats}
+    print(f"{header['date']}  jax {header['jax']}  backend {header['backend']}  "
+          f"medians of {args.repeats} interleaved runs")
+    print(f"{'layers':>6} {'budget':>6} {'plain s':>8} {'aotgrad s':>9} {'ratio':>6}")
+    layer_counts = [int(n) for n in args.layers.split(",")]
+    budgets = [float(b) for b in args.budgets.split(",")]
+    for budget in budgets:  # warm-up: JAX's and aotgrad's first-use costs
+        measure(min(layer_counts), budget, 1)
+    rows = []
+    for layers in layer_counts:
+        for budget in budgets:
+            row = measure(layers, budget, args.repeats)
+            rows.append(row)
+            print(f"{layers:>6} {budget:>6g} {row['plain_s']:>8.2f} {row['aotgrad_s']:>9.2f} "
+                  f"{row['ratio']:>5.1f}x", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({**header, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
