@@ -127,9 +127,10 @@ class Plan:
         def num(x: float | None, scale: float) -> str:
             return "-" if x is None else f"{x / scale:.2f}"
         for r in self.rows:
+            base = fused or r
             lines.append(f"{r.name:<16.16s} {num(r.peak_bytes, peak_scale):>10s} "
-                         f"{ratio(r.peak_bytes, fused and fused.peak_bytes):>8s} {num(r.bytes_moved, moved_scale):>10s} "
-                         f"{ratio(r.bytes_moved, fused and fused.bytes_moved):>8s} {num(r.flops, flop_scale):>8s} "
+                         f"{ratio(r.peak_bytes, base.peak_bytes):>8s} {num(r.bytes_moved, moved_scale):>10s} "
+                         f"{ratio(r.bytes_moved, base.bytes_moved):>8s} {num(r.flops, flop_scale):>8s} "
                          f"{num(r.est_step_s, time_scale):>12s} {r.compile_s:9.1f}")
         return "\n".join(lines + [ESTIMATE_NOTE])
 
