@@ -1,6 +1,7 @@
 """Steps compiled for a compile-only H100 target: the cases in `tests/gpu_target_cases.py`
-run in a process of their own (JAX_PLATFORMS=cpu before JAX is imported). Without the CUDA
-compiler plugin (`pip install -e '.[gpu-target]'`) they are skipped; CI installs it."""
+(and `aotgrad.plan`'s in `tests/plan_gpu_cases.py`) run in a process of their own
+(JAX_PLATFORMS=cpu before JAX is imported). Without the CUDA compiler plugin
+(`pip install -e '.[gpu-target]'`) they are skipped; CI installs it."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,3 +31,13 @@ def test_gpu_target_cases():
     # loaded machine. The limit stops a hung run only.
     output = run_module("gpu_target_cases.py", env, "the H100 target cases", timeout=2700)
     assert " passed" in output or " skipped" in output
+
+
+@pytest.mark.skipif(not _has_cuda_compiler(), reason="the CUDA compiler plugin: pip install -e '.[gpu-target]'")
+def test_plan_gpu_cases():
+    """`aotgrad.plan` against the compile-only H100 (`tests/plan_gpu_cases.py`): tiny models,
+    about 5 minutes on 2 busy cores."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    output = run_module("plan_gpu_cases.py", env, "the H100 plan cases", timeout=1800)
+    assert " passed" in output

@@ -169,6 +169,13 @@ def test_plan_rows_are_what_xla_reports_for_the_same_steps(capsys):
     assert err.count("compiling") == 1 + len(BUDGETS), err
 
 
+def test_plan_of_a_compiled_function_is_the_plan_of_its_loss():
+    params, x = mlp_args()
+    a = aotgrad.plan(aotgrad.compile(mlp_loss), params, x, target="cpu", budgets=[0.0])
+    b = aotgrad.plan(mlp_loss, params, x, target="cpu", budgets=[0.0])
+    assert [(r.peak_bytes, r.bytes_moved) for r in a.rows] == [(r.peak_bytes, r.bytes_moved) for r in b.rows]
+
+
 def test_plan_takes_arrays_as_well_as_shapes():
     params, x = mlp_args()
     arrays = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), (params, x))

@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from aotgrad.api import AOTFunction
 from aotgrad.api import compile as aot_compile
 from aotgrad.config import config
 from aotgrad.devices import profile_of
@@ -85,6 +86,11 @@ def plan(fn: Callable[..., Any], *args: Any, target: Any = "h100", devices: int 
     Progress goes to stderr; nothing is run, only compiled."""
     if not callable(fn):
         raise TypeError(f"plan: fn must be a callable loss; got {fn!r:.100}.")
+    if isinstance(fn, AOTFunction):  # already compiled: the fused row is of the function it wraps
+        if getattr(fn, "__wrapped__", None) is None:
+            raise TypeError("plan: fn is a compiled function without its source (a loaded export); give the "
+                            "loss function itself.")
+        fn = fn.__wrapped__
     if not args:
         raise TypeError("plan: give the loss's arguments (arrays or ShapeDtypeStructs), parameters first.")
     if optimizer is not None and not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
@@ -125,7 +131,10 @@ def plan(fn: Callable[..., Any], *args: Any, target: Any = "h100", devices: int 
                             f"it compiles the step over ShapeDtypeStructs. Make the value a static part of the "
                             f"function (close over it, or pass a Python number), or use jnp.where / lax.cond "
                             f"for branches on data. JAX said: {str(e).splitlines()[0]}") from None
-        print(f"{label} {_name(fn)}: {m.compile_s:.1f} s, peak {m.peak_bytes} bytes", file=sys.stderr, flush=True)
+        peak = "-" if m.peak_bytes is None else f"{m.peak_bytes / 1e9:.3f} GB"
+        moved = "-" if m.bytes_moved is None else f"{m.bytes_moved / 1e9:.3f} GB"
+        print(f"{label} {_name(fn)}: compiled in {m.compile_s:.1f} s: peak {peak}, moved {moved}", file=sys.stderr,
+              flush=True)
         return _row(strategy, budget, m, profile, dtype)
 
     rows = tuple([row("fused", None)] + [row("aotgrad", b) for b in budgets])
