@@ -227,6 +227,21 @@ def test_plan_takes_an_equinox_module_with_static_leaves():
     assert (plan.rows[0].peak_bytes, plan.rows[0].bytes_moved, plan.rows[0].flops) == want
 
 
+def test_plan_passes_static_leaves_and_keyword_arguments_through():
+    """Leaves that are not arrays (a Python float among the parameters, a string in the batch)
+    reach `fn` as they are, keyword arrays are traced; the reference closes over the statics."""
+    def loss(params, batch, *, y):
+        assert params["scale"] == 2.0 and batch["mode"] == "train"
+        return jnp.mean((jnp.tanh(batch["x"] @ params["w"]) * params["scale"] - y) ** 2)
+    w, x, y = (jax.ShapeDtypeStruct(s, jnp.float32) for s in [(16, 8), (32, 16), (32, 8)])
+    plan = aotgrad.plan(loss, {"w": w, "scale": 2.0}, {"x": x, "mode": "train"}, target="cpu", budgets=[0.0], y=y)
+
+    def closed(w, x, y):
+        return loss({"w": w, "scale": 2.0}, {"x": x, "mode": "train"}, y=y)
+    want = _reference(jax.jit(jax.value_and_grad(closed)), *_on_cpu((w, x, y)))
+    assert (plan.rows[0].peak_bytes, plan.rows[0].bytes_moved, plan.rows[0].flops) == want
+
+
 def test_plan_takes_a_flax_nnx_module():
     """Its Param state is differentiated, its other state (random keys) passed along."""
     nnx = pytest.importorskip("flax.nnx")

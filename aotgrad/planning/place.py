@@ -122,10 +122,8 @@ class Placed:
 
     def merge(self, dynamic: Any) -> Any:
         """The argument with its non-array leaves back in place (`dynamic` as `self.dynamic`)."""
-        values = jax.tree.leaves(dynamic, is_leaf=lambda x: x is None)
-        it = iter(values)
-        leaves = [next(it) if s is None else s for s in self.static]
-        return self.treedef.unflatten(leaves)
+        values = jax.tree.leaves(dynamic, is_leaf=lambda x: x is None)  # None where a static leaf goes
+        return self.treedef.unflatten([v if s is None else s for s, v in zip(self.static, values, strict=True)])
 
 
 def place(params: Any, rest: Sequence[Any], kwargs: dict[str, Any], mesh: jax.sharding.Mesh,
