@@ -64,7 +64,7 @@ def versions() -> dict[str, str | None]:
     torch = sys.modules.get("torch")
     if torch is not None:
         out["torch"] = torch.__version__
-    out["commit"] = source_commit()
+    out["commit"] = SOURCE_COMMIT
     return out
 
 
@@ -86,3 +86,8 @@ def source_commit() -> str | None:
 
 def now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+# Read when a run starts (the runner imports this module first), not when it writes its
+# file: the code a run measured is the code it loaded, and others may commit meanwhile.
+SOURCE_COMMIT = source_commit()
