@@ -143,14 +143,22 @@ class Plan:
         except ImportError:
             raise ImportError("plan.plot needs matplotlib: pip install 'aotgrad[bench]'") from None
         fig, ax = plt.subplots(figsize=(6, 4.5))
-        for r in self.rows:
-            if r.peak_bytes is None or r.bytes_moved is None:
-                continue
-            ax.scatter(r.bytes_moved / 1e9, r.peak_bytes / 1e9, marker="*" if r.strategy == "fused" else "o",
-                       s=120 if r.strategy == "fused" else 40, color="C3" if r.strategy == "fused" else "C0")
-            ax.annotate(r.name, (r.bytes_moved / 1e9, r.peak_bytes / 1e9), fontsize=8)
-        ax.set(title=f"{self.devices} x {self.target} ({self.sharding})", xlabel="bytes moved per device (GB)",
-               ylabel="compiled peak per device (GB)")
+        shown = [r for r in self.rows if r.peak_bytes is not None and r.bytes_moved is not None]
+        x_unit, x_scale = _unit([r.bytes_moved for r in shown], _BYTES)
+        y_unit, y_scale = _unit([r.peak_bytes for r in shown], _BYTES)
+        points: dict[tuple[float, float], list[Row]] = {}  # rows that compiled to the same numbers share a point
+        for r in shown:
+            points.setdefault((r.bytes_moved / x_scale, r.peak_bytes / y_scale), []).append(r)
+        for (x, y), rows in points.items():
+            fused = any(r.strategy == "fused" for r in rows)
+            ax.scatter(x, y, marker="*" if fused else "o", s=160 if fused else 40, color="C3" if fused else "C0",
+                       zorder=3)
+            ax.annotate(", ".join(r.name for r in rows), (x, y), xytext=(5, 5), textcoords="offset points",
+                        fontsize=8)
+        ax.ticklabel_format(useOffset=False)
+        ax.margins(0.3)  # room for the labels
+        ax.set(title=f"{self.devices} x {self.target} ({self.sharding}): the fused step is the star",
+               xlabel=f"bytes moved per device ({x_unit})", ylabel=f"compiled peak per device ({y_unit})")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
