@@ -78,7 +78,7 @@ from jax.extend.core import Var
 from aotgrad.errors import BudgetUnreachable
 from aotgrad.partition.boundaries import boundaries, head, layer_points
 from aotgrad.partition.fusion import Programs, programs
-from aotgrad.partition.peak import estimate
+from aotgrad.partition.peak import collector_paused, estimate
 from aotgrad.partition.rules import MATMULS, Kind
 from aotgrad.partition.split import recompute_late
 from aotgrad.partition.traffic import traffic as step_traffic
@@ -87,8 +87,7 @@ if TYPE_CHECKING:  # min_cut imports scan, which imports scan_schedule from here
     from aotgrad.partition.min_cut import Cut, Problem
 
 __all__ = ["FUSED_REASON", "GREEDY_STEPS", "PRICES", "Budget", "Bytes", "Choice", "ScanSchedule", "choices",
-           "is_fused_plan", "ladder", "matmul_outputs", "parse_bytes", "policy_points", "scan_schedule",
-           "within_budget"]
+           "is_fused_plan", "ladder", "matmul_outputs", "parse_bytes", "policy_points", "scan_schedule", "within_budget"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +327,8 @@ def within_budget(problem: Problem, budget: Budget, stacked: bool = False) -> di
     if isinstance(budget, Bytes) and not stacked:  # budget 1's plan, if it fits
         if estimate(_programs(problem.top_cut(stacked))) <= budget.n:
             return problem.top_reasons(stacked)
-    steps = choices(problem, stacked)
+    with collector_paused():
+        steps = choices(problem, stacked)
     low, high = steps[0].peak, steps[-1].peak
     if isinstance(budget, Bytes):
         if low > budget.n:

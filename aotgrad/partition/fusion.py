@@ -23,22 +23,36 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+import weakref
+from typing import Callable, Iterable, Sequence
 
+import numpy as np
+import scipy.sparse
 from jax.extend.core import JaxprEqn, Var
+from scipy.sparse.csgraph import breadth_first_order
 
 from aotgrad._jax_internals import primitives as I
 from aotgrad.partition import schedule
-from aotgrad.partition.graph import JointGraph, live_eqns
-from aotgrad.partition.rules import Kind, duplicated
+from aotgrad.partition.graph import JointGraph
+from aotgrad.partition.rules import Kind, duplicated, kind_of
 from aotgrad.partition.shards import per_device_bytes
 
-__all__ = ["FUSED", "Program", "Programs", "Reads", "Value", "programs", "reads"]
+__all__ = ["FUSED", "Deps", "Program", "Programs", "Reads", "Row", "Value", "deps", "programs", "reads", "rows"]
 
 FUSED = (Kind.CHEAP, Kind.MOVE)  # equations XLA fuses into their readers
 _READ_FUSED = FUSED + (Kind.REDUCE,)  # readers a single elementwise producer fuses into
 
 Value = tuple[Var, int]  # a variable as bound by one equation (its index; -1: an argument)
+# What `reads` and the estimates need of one equation, worked out once per graph: its
+# variable operands, its variable results, its rule, and whether XLA computes it again in
+# each fusing reader (`rules.duplicated`).
+Row = tuple[tuple[Var, ...], tuple[Var, ...], Kind, bool]
+
+
+def rows(eqns: Sequence[JaxprEqn], recomputed_in_readers: Callable[[JaxprEqn], bool]) -> list[Row]:
+    """Each equation's `Row`."""
+    return [(tuple(v for v in e.invars if isinstance(v, Var)), tuple(v for v in e.outvars if isinstance(v, Var)),
+             kind_of(e), recomputed_in_readers(e)) for e in eqns]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +63,10 @@ class Program:
     args: list[Var]
     outs: list
     early: range = range(0)  # the backward's untied recomputation moved to its start (a GPU's: `reads`)
+    rows: list[Row] | None = None  # each equation's `Row`, if known
+
+    def table(self, recomputed_in_readers: Callable[[JaxprEqn], bool]) -> list[Row]:
+        return self.rows if self.rows is not None else rows(self.eqns, recomputed_in_readers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,44 +79,130 @@ class Programs:
     recomputed_in_readers: Callable[[JaxprEqn], bool]
 
 
+class Deps:
+    """Which joint equations read which values, as arrays: `graph.live_eqns` for the many
+    saved sets a budget weighs on one graph, each a breadth-first search in scipy rather
+    than a pass over every equation in Python."""
+
+    def __init__(self, graph: JointGraph) -> None:
+        self.ids: dict[Var, int] = {}  # every variable's number
+        for v in (*graph.closed.jaxpr.constvars, *graph.closed.jaxpr.invars):
+            self.ids.setdefault(v, len(self.ids))
+        made_by, readers, read = [], [], []
+        for i, e in enumerate(graph.eqns):
+            for v in e.invars:
+                if isinstance(v, Var):
+                    readers.append(i)
+                    read.append(self.ids.setdefault(v, len(self.ids)))
+            for v in e.outvars:
+                if isinstance(v, Var):
+                    made_by.append((self.ids.setdefault(v, len(self.ids)), i))
+        self.n = len(graph.eqns)
+        self.producer = np.full(len(self.ids), -1, np.int64)  # per variable; -1: none
+        for k, i in made_by:
+            self.producer[k] = i
+        self.readers = np.asarray(readers, np.int64)  # per read: the reading equation
+        self.read = np.asarray(read, np.int64)  # per read: the variable read
+        self.always = np.asarray([i for i, e in enumerate(graph.eqns)
+                                  if e.effects and graph.is_backward_eqn(e)], np.int64)
+
+    def numbers(self, values: Iterable) -> np.ndarray:
+        return np.asarray([self.ids[v] for v in values if isinstance(v, Var)], np.int64)
+
+    def live(self, roots: Iterable, available: np.ndarray, keep_effects: bool = False) -> np.ndarray:
+        """The sorted equation indices needed to compute `roots`, stopping at the variables
+        numbered `available` (whole graph inputs need not be listed: nothing makes them);
+        with `keep_effects`, the backward's effectful equations too (`Cut.backward_eqns`)."""
+        stop = np.zeros(len(self.ids), bool)
+        stop[available] = True
+        root_ids = self.numbers(roots)
+        starts = self.producer[root_ids[~stop[root_ids]]]
+        starts = starts[starts >= 0]
+        if keep_effects:
+            starts = np.concatenate([starts, self.always])
+        edge = (self.producer[self.read] >= 0) & ~stop[self.read]
+        rows = np.concatenate([self.readers[edge], np.full(len(starts), self.n)])
+        cols = np.concatenate([self.producer[self.read[edge]], starts])
+        adj = scipy.sparse.csr_matrix((np.ones(len(rows), np.int8), (rows, cols)), shape=(self.n + 1,) * 2)
+        found = breadth_first_order(adj, self.n, directed=True, return_predecessors=False)
+        return np.sort(found[found < self.n])
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """What the estimates read of each joint equation (by index), worked out once per graph."""
+    rows: list[Row]
+    backward: list[bool]  # reads a cotangent-dependent value (`JointGraph.is_backward_eqn`)
+    size: Callable[[Var], int]  # bytes on one device (`shards.per_device_bytes`), remembered
+
+
+_DEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def deps(graph: JointGraph) -> Deps:
+    """The graph's `Deps`, built once."""
+    if graph not in _DEPS:
+        _DEPS[graph] = Deps(graph)
+    return _DEPS[graph]
+
+
+def table(graph: JointGraph) -> Table:
+    """The graph's `Table`, built once."""
+    if graph not in _TABLES:
+        size = per_device_bytes(graph)
+        sizes = {v: size(v) for v in deps(graph).ids}
+        _TABLES[graph] = Table(rows(graph.eqns, _duplicated(graph)), [graph.is_backward_eqn(e) for e in graph.eqns],
+                               lambda v: sizes[v] if v in sizes else size(v))
+    return _TABLES[graph]
+
+
+def _duplicated(graph: JointGraph) -> Callable[[JaxprEqn], bool]:
+    return functools.partial(duplicated, platform=None if graph.device is None else graph.device.platform)
+
+
 def programs(graph: JointGraph, saved: Sequence[Var], backward_order: Sequence[int]) -> Programs:
     """The programs that save `saved` (joint values, inputs among them); `backward_order`:
     the backward's equations (joint indices) in emitted order."""
     inputs = set(graph.inputs)
-    consts = set(graph.closed.jaxpr.constvars)
     activations = [v for v in saved if v not in inputs]
-    fwd_idx, _ = live_eqns(graph.eqns, list(graph.outputs) + activations, inputs | consts)
-    forward = [graph.eqns[i] for i in fwd_idx]
-    backward, moved = _untied_first(graph, [graph.eqns[i] for i in backward_order])
+    fwd_idx = deps(graph).live(list(graph.outputs) + activations, np.zeros(0, np.int64)).tolist()
+    bwd_idx, moved = _untied_first(graph, list(backward_order))
     platform = None if graph.device is None else graph.device.platform
     if platform != "gpu":  # measured on XLA:GPU only (`reads`): elsewhere nothing moved counts
         moved = 0
     args, cotangents = list(graph.inputs), list(graph.cotangents)
     outs, grads = list(graph.outputs), list(graph.grads)
+    t = table(graph)
+
+    def run(idx: list[int], *rest: object) -> Program:
+        return Program([graph.eqns[i] for i in idx], *rest, rows=[t.rows[i] for i in idx])  # type: ignore[arg-type]
+
     if graph.staged:  # one program: the saved values are its temporaries
-        runs = (Program(forward + backward, args + cotangents, outs + grads,
-                        range(len(forward), len(forward) + moved)),)
+        runs = (run(fwd_idx + bwd_idx, args + cotangents, outs + grads,
+                    range(len(fwd_idx), len(fwd_idx) + moved)),)
     else:  # the saved values are the forward's outputs and the backward's arguments
-        runs = (Program(forward, args, outs + activations),
-                Program(backward, list(saved) + cotangents, grads, range(moved)))
-    return Programs(runs, per_device_bytes(graph), functools.partial(duplicated, platform=platform))
+        runs = (run(fwd_idx, args, outs + activations),
+                run(bwd_idx, list(saved) + cotangents, grads, range(moved)))
+    return Programs(runs, t.size, _duplicated(graph))
 
 
-def _untied_first(graph: JointGraph, eqns: list[JaxprEqn]) -> tuple[list[JaxprEqn], int]:
-    """The backward's equations as XLA runs them: recomputation that no group ties to a
-    cotangent moves to the start (with what it reads, when that is untied too); and how
-    many moved."""
-    tied = {i for g in schedule.plan(eqns, graph.backward) for i in range(g.start, g.stop)}
-    early: list[JaxprEqn] = []
-    late: list[JaxprEqn] = []
+def _untied_first(graph: JointGraph, idx: list[int]) -> tuple[list[int], int]:
+    """The backward's equations (joint indices) as XLA runs them: recomputation that no
+    group ties to a cotangent moves to the start (with what it reads, when that is untied
+    too); and how many moved."""
+    eqns, t = graph.eqns, table(graph)
+    tied = {i for g in schedule.plan([eqns[i] for i in idx], graph.backward) for i in range(g.start, g.stop)}
+    early: list[int] = []
+    late: list[int] = []
     made_late: set[Var] = set()  # an equation reading these stays late too
-    for i, e in enumerate(eqns):
-        ins = [v for v in e.invars if isinstance(v, Var)]
-        if i not in tied and not graph.is_backward_eqn(e) and not any(v in made_late for v in ins):
-            early.append(e)
+    for n, i in enumerate(idx):
+        ins, outs = t.rows[i][0], t.rows[i][1]
+        if n not in tied and not t.backward[i] and not (made_late and any(v in made_late for v in ins)):
+            early.append(i)
         else:
-            late.append(e)
-            made_late.update(e.outvars)
+            late.append(i)
+            made_late.update(outs)
     return early + late, len(early)
 
 
@@ -115,22 +219,20 @@ class Reads:
     readers: dict[Value, set[int]]
 
 
-def reads(eqns: list[JaxprEqn], kinds: list[Kind],
-          recomputed_in_readers: Callable[[JaxprEqn], bool], early: range = range(0)) -> Reads:
-    """Follows `eqns` in order as XLA fuses them: a value read by one fusing reader (an
-    elementwise equation or a reduction) is computed there, not written; a second reader
-    makes it written. A value whose equation XLA computes again in each fusing reader
-    (`recomputed_in_readers`) is read through: its operands are read there instead. A
-    `split`'s operand is read with its parts (and their views): XLA fuses a part into its
-    readers, which read the operand there. Elementwise recomputation moved to the
-    backward's start (`early`) but fused into a later reader is computed there: its
+def reads(eqns: list[JaxprEqn], table: list[Row], early: range = range(0)) -> Reads:
+    """Follows `eqns` (each with its `Row` in `table`) in order as XLA fuses them: a value
+    read by one fusing reader (an elementwise equation or a reduction) is computed there,
+    not written; a second reader makes it written. A value whose equation XLA computes
+    again in each fusing reader (`rules.duplicated`) is read through: its operands are read
+    there instead. A `split`'s operand is read with its parts (and their views): XLA fuses
+    a part into its readers, which read the operand there. Elementwise recomputation moved
+    to the backward's start (`early`) but fused into a later reader is computed there: its
     operands are read there too, if something else holds them until then."""
     bound: dict[Var, int] = {}  # each variable's binding in force
     operands: list[list[Value]] = []
     last: dict[Value, int] = {}
     written: set[Value] = set()
     readers: dict[Value, set[int]] = {}
-    copied = [recomputed_in_readers(e) for e in eqns]
 
     def read(u: Value, i: int, fuses: bool) -> None:
         j = u[1]
@@ -138,7 +240,7 @@ def reads(eqns: list[JaxprEqn], kinds: list[Kind],
             written.add(kept_by[u])
             last[kept_by[u]] = i
             readers.setdefault(kept_by[u], set()).add(i)
-        if fuses and u in last and u not in written and j >= 0 and copied[j]:
+        if fuses and u in last and u not in written and j >= 0 and table[j][3]:
             for w in operands[j]:  # computed again inside reader i, from its operands
                 read(w, i, True)
         else:
@@ -149,17 +251,30 @@ def reads(eqns: list[JaxprEqn], kinds: list[Kind],
 
     kept_by: dict[Value, Value] = {}  # a split's parts (and their views): its operand
     for i, e in enumerate(eqns):
-        ins = [(v, bound.get(v, -1)) for v in e.invars if isinstance(v, Var)]
-        operands.append(list(dict.fromkeys(ins)))
+        invars, outvars, kind, _ = table[i]
+        ins = [(v, bound.get(v, -1)) for v in invars]
+        operands.append(list(dict.fromkeys(ins)) if len(ins) > 1 else ins)
+        fuses = kind in _READ_FUSED
         for u in ins:
-            read(u, i, kinds[i] in _READ_FUSED)
-        bound.update((v, i) for v in e.outvars if isinstance(v, Var))
+            if u in kept_by or (fuses and u[1] >= 0 and table[u[1]][3]):
+                read(u, i, fuses)
+                continue
+            if not fuses or u in last:  # as `read` does, inline: the common case
+                written.add(u)
+            if u in readers:
+                readers[u].add(i)
+            else:
+                readers[u] = {i}
+            last[u] = i
+        for v in outvars:
+            bound[v] = i
         if e.primitive is I.split_p and ins:
             kept_by.update(((v, i), ins[0]) for v in e.outvars)
         elif e.primitive in schedule.VIEWS and ins and ins[0] in kept_by:
             kept_by[(e.outvars[0], i)] = kept_by[ins[0]]
+    del read  # it refers to itself: a reference cycle, which would outlive the call
     r = Reads(operands, last, written, readers)
-    _computed_where_read(eqns, kinds, early, r)
+    _computed_where_read(eqns, [row[2] for row in table], early, r)
     return r
 
 

@@ -23,7 +23,8 @@ from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from aotgrad.partition import costs
 from aotgrad.partition.budget import FUSED_REASON, Budget, is_fused_plan
-from aotgrad.partition.graph import JointGraph, live_eqns
+from aotgrad.partition.fusion import deps
+from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.rules import FLOAT_EQUALITY, Kind, kind_of
 from aotgrad.partition.scan import is_cut_scan
 
@@ -269,23 +270,26 @@ class Cut:
     cut: frozenset[Var]  # as cut, before pruning
 
     @functools.cached_property
+    def _live(self) -> np.ndarray:
+        """The backward's equations (`backward_eqns`), as an array."""
+        d = deps(self.problem.graph)  # inputs, cotangents and constants: nothing makes them
+        return d.live(self.problem.graph.grads, d.numbers(self.cut), keep_effects=True)
+
+    @functools.cached_property
     def backward_eqns(self) -> list[int]:
         """Joint-graph indices of the equations the backward runs, cut at saved values."""
-        graph = self.problem.graph
-        available = set(self.cut) | set(graph.inputs) | set(graph.cotangents) | set(graph.closed.jaxpr.constvars)
-        kept, _ = live_eqns(graph.eqns, graph.grads, available,
-                            keep=lambda e: bool(e.effects) and graph.is_backward_eqn(e))
-        return kept
+        return self._live.tolist()
 
     @functools.cached_property
     def saved(self) -> tuple[Var, ...]:
         """Cut values and inputs the backward actually reads, after dead-code elimination."""
         graph = self.problem.graph
-        read = set(_vars(graph.grads))
-        for i in self.backward_eqns:
-            read.update(_vars(graph.eqns[i].invars))
+        d = deps(graph)
+        read = np.zeros(len(d.ids), bool)
+        read[d.numbers(graph.grads)] = True
+        read[d.read[np.isin(d.readers, self._live)]] = True
         candidates = list(graph.inputs) + [v for v in self.problem.values if v in self.cut]
-        return tuple(v for v in candidates if v in read)
+        return tuple(v for v in candidates if read[d.ids[v]])
 
     @functools.cached_property
     def activation_bytes(self) -> int:
