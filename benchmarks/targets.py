@@ -14,8 +14,9 @@ the arguments placed on its mesh, and reports per device:
   (`async_slice_excess`);
 - compile time (trace, lower and compile, seconds).
 Nothing runs: the executables are for the target. The GPU needs the CUDA compiler plugin
-(`pip install -e '.[gpu-target]'`), the TPU `libtpu` (`jax[tpu]`); the targets and their
-descriptions are the package's (`aotgrad.targets`).
+(`pip install -e '.[gpu-target]'`), the TPU `libtpu` (`jax[tpu]`). The targets and their
+descriptions are the package's (`aotgrad.targets`); the arguments are placed and each step
+measured by the code `aotgrad.plan` uses (`aotgrad.planning.place`, `aotgrad.planning.measure`).
 """
 from __future__ import annotations
 
