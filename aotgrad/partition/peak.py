@@ -71,7 +71,8 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
     live = peak = 0
     for i, e in enumerate(eqns):
         made_fuses = kinds[i] in FUSED
-        dying = [u for u in operands[i] if u in held and last[u] == i]
+        # Operands whose last reader this is: all are among the values freed here.
+        dying = [u for u in operands[i] if u in held and last[u] == i] if i in frees else []
         reusable = _reusable(e, kinds[i], dying) if dying else dying
         for v in table[i][1]:
             if v in out_set or v in arg_set:
@@ -89,7 +90,8 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
                 live += b
             held[made] = b
             frees.setdefault(last.get(made, i), []).append(made)  # after its last reader, or at once
-        peak = max(peak, live)
+        if live > peak:
+            peak = live
         for u in frees.pop(i, ()):
             live -= held.pop(u)
     return fixed + peak
