@@ -60,10 +60,12 @@ def test_one_jitted_step_follows_every_state():
             assert loss.cache_info().misses == misses, name
         sizes.append(step._cache_size())
         results[name] = got
-        # Bit for bit what a jit traced under this state gives; close to the eager call.
+        # Bit for bit what a jit traced under this state gives; close to the eager call (which
+        # runs the programs apart, planned otherwise: a few 16-bit ulps apart under autocast).
+        rtol = 2e-3 if "16" not in name else 2e-2
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b, err_msg=name), got, fresh)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-5, err_msg=name),
-                     got, eager)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(
+            a, b, rtol=rtol, atol=max(2e-5, rtol * float(jnp.abs(b).max())), err_msg=name), got, eager)
     expected_sizes = list(np.cumsum([new for _, _, new in STATES]))
     assert sizes == expected_sizes
     # The states really give different programs (else the test above proves nothing).
