@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -418,7 +419,8 @@ def _resolve_out(default: str = DEFAULT_OUT) -> str:
 
 
 def _command() -> str:
-    return " ".join(["python", "-m", "benchmarks.run", *sys.argv[1:]])
+    """The command line, quoted so that it runs as given (`--strategies 'checkpoint:*'`)."""
+    return shlex.join(["python", "-m", "benchmarks.run", *sys.argv[1:]])
 
 
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
