@@ -6,14 +6,14 @@ measured numbers other docs quote, filled in from the same files.
 
 A doc quotes a result between markers that this command fills (HTML comments: not shown):
 
-    <!-- results:cell cpu | gpt | aotgrad:min_cut@0.5 | peak (1 jit) / fused -->0.55x<!-- /results -->
+    <!-- results:cell cpu; gpt; aotgrad:min_cut@0.5; peak (1 jit) / fused -->0.55x<!-- /results -->
     <!-- results:minutes cpu -->11<!-- /results -->        the run's duration, in minutes
     <!-- results:run cpu -->...<!-- /results -->           its date, machine and jax version
     <!-- results:pick cpu -->...<!-- /results -->          what to pick, per workload (a list)
     <!-- results:legend suite -->...<!-- /results -->      the column legend (suite, target, overhead)
 
 `cpu` names docs/results/cpu.json; a cell is the table's cell for that workload, strategy and
-column. tests/test_results_page.py fails when the page or a marker is not current.
+column. Arguments are separated by semicolons, so a marker may stand in a table's cell. tests/test_results_page.py fails when the page or a marker is not current.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ __all__ = ["PAGE", "fill_markers", "main", "render_page", "stale"]
 
 PAGE = ROOT / "docs" / "results.md"
 MARKER = re.compile(r"<!-- results:(\w+)([^>]*?) -->(.*?)<!-- /results -->", re.S)
+SEP = ";"  # between a marker's arguments (a pipe would end a table's cell)
 LEGENDS = {"suite": SUITE_COLUMNS, "target": TARGET_COLUMNS, "overhead": OVERHEAD_COLUMNS}
 SLACK = f"{(TIME_SLACK - 1) * 100:.0f}%"
 
@@ -156,7 +157,7 @@ def _anchor(title: str) -> str:
 
 def _cell(runs: dict[str, Run], args: list[str]) -> str:
     if len(args) != 4:
-        raise ResultsError(f"cell needs 'file | workload | strategy | column', got {' | '.join(args)!r}")
+        raise ResultsError(f"cell needs 'file; workload; strategy; column', got {'; '.join(args)!r}")
     run = _run(runs, args[0])
     rows: Sequence[Any] = run.target_rows if run.is_target else run.rows
     columns: Sequence[Column[Any]] = TARGET_COLUMNS if run.is_target else SUITE_COLUMNS
@@ -189,7 +190,7 @@ def _fill(kind: str, args: list[str], runs: dict[str, Run]) -> str:
         return "\n" + "\n".join(pick_lines(_run(runs, args[0]))) + "\n"
     if kind == "legend" and args and args[0] in LEGENDS:
         return "\n" + "\n".join(legend(LEGENDS[args[0]])) + "\n"
-    raise ResultsError(f"unknown marker results:{kind} {' | '.join(args)}")
+    raise ResultsError(f"unknown marker results:{kind} {'; '.join(args)}")
 
 
 def fill_markers(text: str, runs: Sequence[Run], where: str = "") -> str:
@@ -197,7 +198,7 @@ def fill_markers(text: str, runs: Sequence[Run], where: str = "") -> str:
     by_name = {r.name: r for r in runs}
 
     def one(m: re.Match[str]) -> str:
-        args = [a.strip() for a in m[2].split("|")] if m[2].strip() else []
+        args = [a.strip() for a in m[2].split(SEP)] if m[2].strip() else []
         try:
             body = _fill(m[1], args, by_name)
         except ResultsError as e:

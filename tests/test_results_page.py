@@ -98,14 +98,16 @@ def test_two_files_of_one_suite_are_an_error_naming_both(tmp_path: pathlib.Path)
 def test_a_marker_that_names_nothing_is_an_error_naming_the_doc() -> None:
     runs = load_dir()
     with pytest.raises(ResultsError, match="guide.md: .*no row"):
-        results_page.fill_markers("<!-- results:cell cpu | mlp | nope | step ms -->1<!-- /results -->", runs,
+        results_page.fill_markers("<!-- results:cell cpu; mlp; nope; step ms -->1<!-- /results -->", runs,
                                   "guide.md")
     with pytest.raises(ResultsError, match="guide.md: no results file nope.json"):
         results_page.fill_markers("<!-- results:minutes nope --><!-- /results -->", runs, "guide.md")
     cpu = next(r for r in runs if r.name == "cpu")
     first = cpu.rows[0]
-    text = f"<!-- results:cell cpu | {first.workload} | {first.strategy} | step ms -->stale<!-- /results -->"
+    text = f"<!-- results:cell cpu; {first.workload}; {first.strategy}; step ms -->stale<!-- /results -->"
     assert f"-->{first.step.median * 1e3:.2f}<!--" in results_page.fill_markers(text, runs)
+    row = f"| {first.strategy} | {text} |"  # in a table's cell: no pipe inside the marker
+    assert results_page.fill_markers(row, runs).count("|") == 3
 
 
 # ----------------------------------------------------------------------------- what to pick
