@@ -4,7 +4,8 @@ unrolled GPTs of tiny width (so the graph, not arithmetic, is what costs).
 Each run lowers `jax.jit(jax.value_and_grad(f))` (plain) and
 `jax.jit(jax.value_and_grad(aotgrad.compile(f)))` (aotgrad, under the budget) back to back
 in one process, interleaved over `--repeats` rounds (after one warm-up of the smallest
-model); the table gives the medians and their ratio.
+model); the table gives the medians and their ratio, of wall-clock seconds and of this process's CPU seconds (steadier
+where other work shares the machine).
 
     python -m benchmarks.planning_time --layers 12,24,48,96 --budgets 1,0.5,0 [--out t.json]
 """
@@ -24,11 +25,12 @@ from benchmarks.workloads import gpt
 SIZES = {"batch": 1, "seq": 8, "d_model": 16, "heads": 2, "vocab": 32}
 
 
-def _lower_seconds(make: Callable[[], Callable[..., Any]], *args: Any) -> float:
+def _lower_seconds(make: Callable[[], Callable[..., Any]], *args: Any) -> tuple[float, float]:
+    """Wall-clock and CPU seconds to lower the step."""
     step = jax.jit(jax.value_and_grad(make()))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     step.lower(*args)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def measure(layers: int, budget: float, repeats: int) -> dict[str, Any]:
@@ -39,9 +41,10 @@ def measure(layers: int, budget: float, repeats: int) -> dict[str, Any]:
         plain.append(_lower_seconds(lambda: loss_fn, params, batch))
         with aotgrad.config.patch(activation_memory_budget=budget):
             ours.append(_lower_seconds(lambda: aotgrad.compile(loss_fn), params, batch))
-    p, a = statistics.median(plain), statistics.median(ours)
+    p, a = (statistics.median(t[0] for t in runs) for runs in (plain, ours))
+    pc, ac = (statistics.median(t[1] for t in runs) for runs in (plain, ours))
     return {"layers": layers, "budget": budget, "plain_s": p, "aotgrad_s": a, "ratio": a / p,
-            "plain_runs": plain, "aotgrad_runs": ours}
+            "plain_cpu_s": pc, "aotgrad_cpu_s": ac, "cpu_ratio": ac / pc, "plain_runs": plain, "aotgrad_runs": ours}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
               "sizes": SIZES, "repeats": args.repeats}
     print(f"{header['date']}  jax {header['jax']}  backend {header['backend']}  "
           f"medians of {args.repeats} interleaved runs")
-    print(f"{'layers':>6} {'budget':>6} {'plain s':>8} {'aotgrad s':>9} {'ratio':>6}")
+    print(f"{'layers':>6} {'budget':>6} {'plain s':>8} {'aotgrad s':>9} {'ratio':>6} "
+          f"{'plain cpu s':>11} {'aotgrad cpu s':>13} {'cpu ratio':>9}")
     layer_counts = [int(n) for n in args.layers.split(",")]
     budgets = [float(b) for b in args.budgets.split(",")]
     for budget in budgets:  # warm-up: JAX's and aotgrad's first-use costs
@@ -66,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
             row = measure(layers, budget, args.repeats)
             rows.append(row)
             print(f"{layers:>6} {budget:>6g} {row['plain_s']:>8.2f} {row['aotgrad_s']:>9.2f} "
-                  f"{row['ratio']:>5.1f}x", flush=True)
+                  f"{row['ratio']:>5.1f}x {row['plain_cpu_s']:>11.2f} {row['aotgrad_cpu_s']:>13.2f} "
+                  f"{row['cpu_ratio']:>8.1f}x", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**header, "rows": rows}, f, indent=1)

@@ -49,10 +49,11 @@ Value = tuple[Var, int]  # a variable as bound by one equation (its index; -1: a
 Row = tuple[tuple[Var, ...], tuple[Var, ...], Kind, bool]
 
 
-def rows(eqns: Sequence[JaxprEqn], recomputed_in_readers: Callable[[JaxprEqn], bool]) -> list[Row]:
-    """Each equation's `Row`."""
+def rows(eqns: Sequence[JaxprEqn], recomputed_in_readers: Callable[[JaxprEqn], bool],
+         kinds: Sequence[Kind] | None = None) -> list[Row]:
+    """Each equation's `Row` (its rule from `kinds` if given)."""
     return [(tuple(v for v in e.invars if isinstance(v, Var)), tuple(v for v in e.outvars if isinstance(v, Var)),
-             kind_of(e), recomputed_in_readers(e)) for e in eqns]
+             kind_of(e) if kinds is None else kinds[i], recomputed_in_readers(e)) for i, e in enumerate(eqns)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,15 +220,19 @@ class Reads:
     readers: dict[Value, set[int]]
 
 
-def reads(eqns: list[JaxprEqn], table: list[Row], early: range = range(0)) -> Reads:
-    """Follows `eqns` (each with its `Row` in `table`) in order as XLA fuses them: a value
-    read by one fusing reader (an elementwise equation or a reduction) is computed there,
-    not written; a second reader makes it written. A value whose equation XLA computes
-    again in each fusing reader (`rules.duplicated`) is read through: its operands are read
-    there instead. A `split`'s operand is read with its parts (and their views): XLA fuses
-    a part into its readers, which read the operand there. Elementwise recomputation moved
-    to the backward's start (`early`) but fused into a later reader is computed there: its
-    operands are read there too, if something else holds them until then."""
+def reads(eqns: list[JaxprEqn], kinds: list[Kind], recomputed_in_readers: Callable[[JaxprEqn], bool],
+          early: range = range(0), table: list[Row] | None = None) -> Reads:
+    """Follows `eqns` in order as XLA fuses them: a value read by one fusing reader (an
+    elementwise equation or a reduction) is computed there, not written; a second reader
+    makes it written. A value whose equation XLA computes again in each fusing reader
+    (`recomputed_in_readers`) is read through: its operands are read there instead. A
+    `split`'s operand is read with its parts (and their views): XLA fuses a part into its
+    readers, which read the operand there. Elementwise recomputation moved to the
+    backward's start (`early`) but fused into a later reader is computed there: its
+    operands are read there too, if something else holds them until then. `table`: the
+    equations' `Row`s, if known (else worked out here)."""
+    if table is None:
+        table = rows(eqns, recomputed_in_readers, kinds)
     bound: dict[Var, int] = {}  # each variable's binding in force
     operands: list[list[Value]] = []
     last: dict[Value, int] = {}
@@ -274,7 +279,7 @@ def reads(eqns: list[JaxprEqn], table: list[Row], early: range = range(0)) -> Re
             kept_by[(e.outvars[0], i)] = kept_by[ins[0]]
     del read  # it refers to itself: a reference cycle, which would outlive the call
     r = Reads(operands, last, written, readers)
-    _computed_where_read(eqns, [row[2] for row in table], early, r)
+    _computed_where_read(eqns, kinds, early, r)
     return r
 
 

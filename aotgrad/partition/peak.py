@@ -64,7 +64,7 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
     if table is None:
         table = rows(eqns, recomputed_in_readers)
     kinds = [row[2] for row in table]
-    r = reads(eqns, table, early)
+    r = reads(eqns, kinds, recomputed_in_readers, early, table)
     operands, last, written = r.operands, r.last, r.written
     held: dict[Value, int] = {}  # temporaries in memory: their bytes
     frees: dict[int, list[Value]] = {}

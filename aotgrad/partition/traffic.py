@@ -18,7 +18,7 @@ from typing import Callable
 from jax.extend.core import JaxprEqn, Var
 
 from aotgrad.partition import costs
-from aotgrad.partition.fusion import FUSED, Programs, Row, Value, reads
+from aotgrad.partition.fusion import FUSED, Programs, Row, Value, reads, rows
 from aotgrad.partition.rules import Kind
 
 __all__ = ["traffic"]
@@ -28,17 +28,21 @@ def traffic(step: Programs) -> float:
     """The estimated cost of running the step's programs (`fusion.programs`), in bytes:
     what each kernel reads from memory and writes to it (`_program_traffic`), plus the
     FLOPs of compute-bound work at `costs.FLOPS_PER_BYTE`."""
-    return sum(_program_traffic(run.eqns, run.outs, step.size, run.table(step.recomputed_in_readers))
-               for run in step.runs)
+    return sum(_program_traffic(run.eqns, run.outs, step.size, step.recomputed_in_readers,
+                                run.table(step.recomputed_in_readers)) for run in step.runs)
 
 
-def _program_traffic(eqns: list[JaxprEqn], outs: list, size: Callable[[Var], int], table: list[Row]) -> float:
+def _program_traffic(eqns: list[JaxprEqn], outs: list, size: Callable[[Var], int],
+                     recomputed_in_readers: Callable[[JaxprEqn], bool], table: list[Row] | None = None) -> float:
     """Bytes moved running `eqns`: each value in memory (an argument, an output, a value
     XLA writes: `fusion.reads`) read once by each equation that reads it there, each value
     written once; plus compute-bound work's FLOPs at `costs.FLOPS_PER_BYTE`. (Recomputation
-    moved early, `fusion.Program.early`, is not passed: it moves no read, only lifetimes.)"""
+    moved early, `fusion.Program.early`, is not passed: it moves no read, only lifetimes.)
+    `table`: the equations' `fusion.Row`s, if known."""
+    if table is None:
+        table = rows(eqns, recomputed_in_readers)
     kinds = [row[2] for row in table]
-    r = reads(eqns, table)
+    r = reads(eqns, kinds, recomputed_in_readers, table=table)
     out_set = {v for v in outs if isinstance(v, Var)}
 
     def in_memory(u: Value) -> bool:
