@@ -3,7 +3,7 @@ unrolled GPTs of tiny width (so the graph, not arithmetic, is what costs).
 
 Each run lowers `jax.jit(jax.value_and_grad(f))` (plain) and
 `jax.jit(jax.value_and_grad(aotgrad.compile(f)))` (aotgrad, under the budget) back to back
-in one process, interleaved over `--repeats` rounds (after one warm-up of the smallest
+in one process, interleaved over `--repeats` rounds (after one warm-up on a 2-layer
 model); the table gives the medians and their ratio, of wall-clock seconds and of this process's CPU seconds (steadier
 where other work shares the machine).
 
@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{'plain cpu s':>11} {'aotgrad cpu s':>13} {'cpu ratio':>9}")
     layer_counts = [int(n) for n in args.layers.split(",")]
     budgets = [float(b) for b in args.budgets.split(",")]
-    for budget in budgets:  # warm-up: JAX's and aotgrad's first-use costs
-        measure(min(layer_counts), budget, 1)
+    for budget in budgets:  # warm-up: JAX's and aotgrad's first-use costs, on a small model
+        measure(2, budget, 1)
     rows = []
     for layers in layer_counts:
         for budget in budgets:
