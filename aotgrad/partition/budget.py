@@ -325,8 +325,8 @@ def within_budget(problem: Problem, budget: Budget, stacked: bool = False) -> di
     bytes for a scan body: `stacked`), or the budget itself if it is `Bytes`."""
     what = "saves" if stacked else "estimated step peak" + (" per device" if problem.graph.devices > 1 else "")
     if isinstance(budget, Bytes) and not stacked:  # budget 1's plan, if it fits
-        if estimate(_programs(problem.top_cut(stacked))) <= budget.n:
-            return problem.top_reasons(stacked)
+        if estimate(_programs(top := problem.top_cut(stacked))) <= budget.n:
+            return problem.top_reasons(top, stacked)
     with collector_paused():
         steps = choices(problem, stacked)
     low, high = steps[0].peak, steps[-1].peak

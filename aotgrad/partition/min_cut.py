@@ -179,11 +179,9 @@ class Problem:
         fused = self.fused_cut()
         return cheapest if cheapest.activation_bytes <= fused.activation_bytes else fused
 
-    def top_reasons(self, stacked: bool) -> dict[Var, str]:
-        """Budget 1's saved values (`top_cut`), each with its reason."""
-        if self.graph.staged and not stacked:
-            return self.fused_cut().reasons(FUSED_REASON)
-        return self.top_cut(stacked).reasons()
+    def top_reasons(self, top: "Cut", stacked: bool) -> dict[Var, str]:
+        """Budget 1's saved values (`top`, what `top_cut(stacked)` gave), each with its reason."""
+        return top.reasons(FUSED_REASON) if self.graph.staged and not stacked else top.reasons()
 
     def solve(self, save: np.ndarray, recompute: np.ndarray) -> "Cut":
         """The minimum cut for these capacities (per value, per equation; inf allowed)."""
@@ -339,6 +337,6 @@ def min_cut(graph: JointGraph, budget: Budget = 1.0, stacked: bool = False) -> d
     `stacked`: the graph is a scan body, whose saved set is held once per iteration."""
     problem = Problem.priced(graph, stacked)
     if is_fused_plan(budget):
-        return problem.top_reasons(stacked)
+        return problem.top_reasons(problem.top_cut(stacked), stacked)
     from aotgrad.partition.budget import within_budget
     return within_budget(problem, budget, stacked)
