@@ -6,7 +6,10 @@ programs on the real device.
     python -m benchmarks.on_device --suite config/gpu.toml --workloads gpt
 
 Each strategy's step is `jax.jit(jax.value_and_grad(loss))`, built as `benchmarks.targets`
-builds it for a compile-only target. Two numbers need care:
+builds it for a compile-only target (`--strategies` may also name `autocast:bf16`,
+`autocast:fp16`, optionally `@<budget>`: traced under `aotgrad.autocast` with this backend's
+table; a hand-written 16-bit workload such as `gpt_bf16` is run with `fused`, and autocast
+on it is not run, with a message). Two numbers need care:
 - allocator peak: the device allocator's `peak_bytes_in_use` only grows within a process,
   so each strategy runs in a process of its own (inputs placed, step compiled, run a few
   times, peak read; minus the bytes in use before the first step: the parameters and the
@@ -67,8 +70,10 @@ def _block(x: Any) -> Any:
 
 
 def _compiled_step(strategy: str, w: Any) -> Any:
+    import jax
+
     from benchmarks.targets import compile_step
-    return compile_step(strategy, w, w.params, w.batch)
+    return compile_step(strategy, w, w.params, w.batch, jax.default_backend())  # autocast: this backend's table
 
 
 def _child(spec: dict) -> dict:
@@ -161,6 +166,7 @@ def main(argv: Sequence[str]) -> None:
         print(json.dumps(_child(json.loads(FLAGS.child))), flush=True)
         return
     from benchmarks import suite as suite_mod
+    from benchmarks.strategies import not_applicable
     from benchmarks.targets import target_strategies
     from benchmarks.workloads import build
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or tempfile.mkdtemp(prefix="aotgrad_xla_cache_")
@@ -173,10 +179,15 @@ def main(argv: Sequence[str]) -> None:
         log(m)
     strategies = FLAGS.strategies or target_strategies()
     rows: list[DeviceRow] = []
-    info: dict = {}
+    info: dict = {"messages": []}
     for spec in specs:
         found = []
         for s in strategies:
+            why = not_applicable(s, spec.sizes)
+            if why is not None:
+                log(f"{spec.name} / {s}: not run: {why}")
+                info["messages"].append(f"{spec.name} / {s} not run: {why}")
+                continue
             log(f"{spec.name} / {s}: own process")
             r = _run_child({"workload": spec.name, "kind": spec.kind, "sizes": spec.sizes, "strategy": s,
                             "steps": FLAGS.steps}, env)

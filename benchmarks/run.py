@@ -29,8 +29,8 @@ from benchmarks import overhead as overhead_mod
 from benchmarks import peers_torch, report, suite as suite_mod
 from benchmarks.measure import interleaved, steps_for, summarize, time_steps
 from benchmarks.records import Row, machine_info, now, versions
-from benchmarks.strategies import (AOTGRAD_PREFIX, Prepared, aotgrad_name_error, expand, first_line,
-                                  max_relative_error, prepare)
+from benchmarks.strategies import (AOTGRAD_PREFIX, PARAMETERIZED, Prepared, expand, first_line, max_relative_error,
+                                  name_error, not_applicable, prepare)
 from benchmarks.workloads import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,19 +108,20 @@ def narrow(names: list[str], only: Sequence[str],
             if hits:
                 extra += [h for h in hits if h not in extra]
             else:
-                why = aotgrad_name_error(pat) if pat.startswith(AOTGRAD_PREFIX) else None
+                why = name_error(pat) if pat.startswith(PARAMETERIZED) else None
                 errors.append(f"--strategies: {pat!r} matches none of {names}" + (f": {why}" if why else ""))
     return [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in only)] + extra, errors
 
 
 def select_target_strategies(only: Sequence[str] | None) -> tuple[list[str], list[str]]:
     """A target table's strategies (`--target`), narrowed to `only` with any aotgrad budget
-    named there, and one error per pattern that matched nothing (as `select_strategies`)."""
+    or autocast strategy (`autocast:bf16`, `autocast:fp16@0.5`) named there, and one error per
+    pattern that matched nothing (as `select_strategies`)."""
     from benchmarks.targets import target_strategies
     names = target_strategies()
     if not only:
         return names, []
-    return narrow(names, only, lambda pat: expand([pat]) if pat.startswith(AOTGRAD_PREFIX) else ([], []))
+    return narrow(names, only, lambda pat: expand([pat]) if pat.startswith(PARAMETERIZED) else ([], []))
 
 
 def select_workloads(suite: suite_mod.Suite, only: Sequence[str] | None
@@ -153,8 +154,18 @@ def estimate_step_seconds(p: Prepared, budget: float = 0.1, max_steps: int = 64)
 
 
 def run_workload(spec: suite_mod.WorkloadSpec, strategies: Sequence[str], repeats: int,
-                 min_sample_seconds: float, memory: bool, tag: str) -> list[Row]:
+                 min_sample_seconds: float, memory: bool, tag: str, messages: list[str] | None = None) -> list[Row]:
+    """Every strategy on one workload, timed in interleaved rounds. A pair `not_applicable`
+    refuses (autocast on a model written in 16 bits by hand) has no row: it is logged and
+    appended to `messages`."""
     t0 = time.perf_counter()
+    for s in strategies:
+        why = not_applicable(s, spec.sizes)
+        if why is not None:
+            log(f"{tag} {spec.name} / {s}: not run: {why}")
+            if messages is not None:
+                messages.append(f"{spec.name} / {s} not run: {why}")
+    strategies = [s for s in strategies if not_applicable(s, spec.sizes) is None]
     sizes = ", ".join(f"{k}={v}" for k, v in spec.sizes.items())
     log(f"{tag} {spec.name}: building {spec.kind}({sizes})")
     try:
@@ -276,7 +287,7 @@ def run_suite(suite: suite_mod.Suite, *, workloads: Sequence[str] | None = None,
     rows: list[Row] = []
     for i, spec in enumerate(specs, 1):
         rows += run_workload(spec, names, repeats or spec.repeats, suite.min_sample_seconds,
-                             suite.memory_analysis, f"[{i}/{len(specs)}]")
+                             suite.memory_analysis, f"[{i}/{len(specs)}]", messages)
 
     overhead_rows: list[overhead_mod.OverheadRow] = []
     # Call overhead: one row per partitioner (budgets do not change the call path).
@@ -393,9 +404,10 @@ def _run_target(suite: suite_mod.Suite) -> int:
     strategies, more = select_target_strategies(FLAGS.strategies)
     if errors + more:
         return _refuse(errors + more)
+    messages: list[str] = []
     try:
-        rows = targets.run_target(FLAGS.target, [(w.name, w.kind, w.sizes) for w in specs],
-                                  devices=FLAGS.devices, sharding=FLAGS.sharding, strategies=strategies, log=log)
+        rows = targets.run_target(FLAGS.target, [(w.name, w.kind, w.sizes) for w in specs], devices=FLAGS.devices,
+                                  sharding=FLAGS.sharding, strategies=strategies, log=log, messages=messages)
     except (RuntimeError, ValueError) as e:
         return _refuse([str(e)])
     header = (f"aotgrad compile-only target {FLAGS.target} x{FLAGS.devices} ({FLAGS.sharding}) - "
@@ -406,7 +418,7 @@ def _run_target(suite: suite_mod.Suite) -> int:
         f"benchmarks/results/target_{FLAGS.target}_x{FLAGS.devices}_{FLAGS.sharding}.json")
     report.write_json(out, {"schema": 1, "date": now(), "command": _command(), "target": FLAGS.target,
                             "devices": FLAGS.devices, "sharding": FLAGS.sharding, "suite": FLAGS.suite,
-                            "machine": machine_info(), "versions": versions(), "messages": [],
+                            "machine": machine_info(), "versions": versions(), "messages": messages,
                             "rows": rows})
     log(f"wrote {out}")
     if FLAGS.plot:

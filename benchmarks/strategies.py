@@ -13,7 +13,12 @@
   `nothing_saveable`, `dots_saveable`, `dots_with_no_batch_dims_saveable`;
 - `autocast:bf16` / `autocast:fp16`: `aotgrad.fwd_and_bwd(loss, argnums=0)` built and run
   under `aotgrad.autocast(dtype=...)` (the default backend's table), to compare step time
-  and saved bytes with float32; the gradient error is against float32.
+  and saved bytes with float32; the gradient error is against float32;
+  `autocast:bf16@<budget>`: the same with `activation_memory_budget=<budget>` (the budget as
+  in `aotgrad:<name>@<budget>`). The same names on a compile-only target
+  (`benchmarks.targets`) are the jitted step under the target's table. A model written in
+  16 bits by hand (`dtype` in its sizes) is the anchor autocast is measured against, not a
+  model to autocast: such a pair is refused (`not_applicable`).
 
 `prepare(name, workload)` builds and warms a strategy and measures what does not need
 repeated timing (saved bytes, XLA memory of each program, build seconds, gradient error inputs).
@@ -36,9 +41,10 @@ from aotgrad.config import budget_from_text
 from aotgrad.planning.measure import xla_peak
 from benchmarks.workloads import Workload, build
 
-__all__ = ["AOTGRAD_PREFIX", "BASE_STRATEGIES", "BuildSeconds", "CHECKPOINT_POLICIES", "Prepared",
-           "ProgramMemory", "SavedBytes", "aotgrad_options", "available", "checkpointed", "expand", "first_line",
-           "prepare", "xla_peak"]
+__all__ = ["AOTGRAD_PREFIX", "AUTOCAST_PREFIX", "Autocast", "BASE_STRATEGIES", "BuildSeconds", "CHECKPOINT_POLICIES",
+           "Prepared", "ProgramMemory", "SavedBytes", "aotgrad_options", "autocast_strategy", "available",
+           "check_applies", "checkpointed", "expand", "first_line", "name_error", "not_applicable", "prepare",
+           "split_budget", "xla_peak"]
 
 AOTGRAD_PREFIX = "aotgrad:"
 BASE_STRATEGIES = ("fused", "jax_fwd_and_bwd")
@@ -131,8 +137,8 @@ def expand(patterns: list[str]) -> tuple[list[str], list[str]]:
     messages: list[str] = []
     for pat in patterns:
         hits = [n for n in have if fnmatch.fnmatchcase(n, pat)]
-        if not hits and pat.startswith(AOTGRAD_PREFIX):
-            why = aotgrad_name_error(pat)
+        if not hits and pat.startswith(PARAMETERIZED):
+            why = name_error(pat)
             if why is None:
                 hits = [pat]
             else:
@@ -143,15 +149,23 @@ def expand(patterns: list[str]) -> tuple[list[str], list[str]]:
     return names, messages
 
 
-def aotgrad_name_error(name: str) -> str | None:
-    """Why `aotgrad:<partitioner>[@<budget>]` names no strategy, or None where it names one:
-    the partitioner must be registered and the budget one `activation_memory_budget` takes
-    (a fraction in [0, 1] or a byte size per device, "2.4GB"). A glob names none."""
+def name_error(name: str) -> str | None:
+    """Why a name of the parameterized families names no strategy, or None where it names
+    one: `aotgrad:<partitioner>[@<budget>]` (a registered partitioner) and
+    `autocast:<bf16|fp16>[@<budget>]`, the budget one `activation_memory_budget` takes (a
+    fraction in [0, 1] or a byte size per device, "2.4GB"). A glob names none."""
     try:
-        aotgrad.config.patch(**aotgrad_options(name[len(AOTGRAD_PREFIX):]))  # checks each option
+        if name.startswith(AOTGRAD_PREFIX):
+            split_budget(name[len(AOTGRAD_PREFIX):], name)  # "@" without a budget: an error naming the strategy
+            aotgrad.config.patch(**aotgrad_options(name[len(AOTGRAD_PREFIX):]))  # checks each option
+        elif name.startswith(AUTOCAST_PREFIX):
+            autocast_strategy(name)
+        else:
+            return f"not an {AOTGRAD_PREFIX} or {AUTOCAST_PREFIX} name"
     except ValueError as e:  # ConfigError is one
         return str(e)
     return None
+
 
 
 # ----------------------------------------------------------------------------- building
@@ -164,7 +178,7 @@ def prepare(name: str, workload: Workload, memory: bool = True) -> Prepared:
         return _jax_peer(workload, memory)
     if name.startswith(AOTGRAD_PREFIX):
         return _aotgrad(name, name[len(AOTGRAD_PREFIX):], workload, memory)
-    if name in AUTOCAST_STRATEGIES:
+    if name.startswith(AUTOCAST_PREFIX):
         return _autocast(name, workload, memory)
     if name in CHECKPOINT_STRATEGIES:
         return _checkpointed(name, workload, memory)
@@ -288,10 +302,21 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
+def split_budget(spec: str, name: str | None = None) -> tuple[str, dict[str, Any]]:
+    """"<head>[@<budget>]" (the part of a strategy name after its family's prefix) as
+    (head, the `aotgrad.config.patch` options of the budget: none without one). The budget
+    is a fraction or a byte size, as `activation_memory_budget` takes it (checked when the
+    options are patched in); "@" with nothing after it is a ValueError naming `name`."""
+    head, at, budget = spec.partition("@")
+    if at and not budget:
+        raise ValueError(f"strategy {name or spec!r}: no budget after '@' (a fraction in [0, 1] or a byte size "
+                         f"such as 2.4GB)")
+    return head, ({"activation_memory_budget": budget_from_text(budget)} if budget else {})
+
+
 def aotgrad_options(spec: str) -> dict[str, Any]:
     """`aotgrad.config.patch` options of "<partitioner>[@<budget>]"."""
-    partitioner, _, budget = spec.partition("@")
-    budgeted = {"activation_memory_budget": budget_from_text(budget)} if budget else {}
+    partitioner, budgeted = split_budget(spec)
     options: dict[str, Any] = {"partitioner": partitioner, **budgeted}
     if partitioner not in aotgrad.partitioners():
         raise ValueError(f"partitioner {partitioner!r} is not registered "
@@ -336,18 +361,73 @@ def _aotgrad(name: str, partitioner: str, w: Workload, memory: bool) -> Prepared
 
 # ----------------------------------------------------------------------------- autocast
 
-# name -> (dtype, expected normwise gradient error against float32: a few 16-bit ulps)
-AUTOCAST_STRATEGIES: dict[str, tuple[Any, float]] = {
-    "autocast:bf16": (jnp.bfloat16, 5e-2),
-    "autocast:fp16": (jnp.float16, 1e-2),
+AUTOCAST_PREFIX = "autocast:"
+PARAMETERIZED = (AOTGRAD_PREFIX, AUTOCAST_PREFIX)  # families whose names take a budget
+# dtype in a name -> (dtype, expected normwise gradient error against float32: a few 16-bit ulps)
+AUTOCAST_DTYPES: dict[str, tuple[Any, float]] = {
+    "bf16": (jnp.bfloat16, 5e-2),
+    "fp16": (jnp.float16, 1e-2),
 }
+AUTOCAST_STRATEGIES = tuple(AUTOCAST_PREFIX + d for d in AUTOCAST_DTYPES)  # those `available` lists
+
+
+@dataclasses.dataclass(frozen=True)
+class Autocast:
+    """A strategy `autocast:<bf16|fp16>[@<budget>]`: the default partitioner under
+    `aotgrad.autocast(<device type>, dtype=...)` and, with a budget,
+    `aotgrad.config.patch(activation_memory_budget=...)`."""
+    name: str
+    dtype: Any
+    tolerance: float  # expected normwise gradient error against float32
+    options: dict[str, Any]  # aotgrad.config.patch options (the budget, if named)
+
+    @contextlib.contextmanager
+    def context(self, device_type: str | None = None) -> Any:
+        """Both settings, entered around tracing (`device_type` None: the default backend's
+        table). They are read when a function is traced and are part of its cache key."""
+        with aotgrad.config.patch(**self.options), aotgrad.autocast(device_type, dtype=self.dtype):
+            yield
+
+
+def autocast_strategy(name: str) -> Autocast:
+    """The strategy `name` ("autocast:bf16", "autocast:fp16@0.5", ...) names; ValueError
+    (ConfigError for a bad budget) naming it where it names none."""
+    if not name.startswith(AUTOCAST_PREFIX):
+        raise ValueError(f"strategy {name!r} is not an {AUTOCAST_PREFIX} name")
+    short, options = split_budget(name[len(AUTOCAST_PREFIX):], name)
+    if short not in AUTOCAST_DTYPES:
+        raise ValueError(f"strategy {name!r}: autocast dtype {short!r} is not one of {list(AUTOCAST_DTYPES)} "
+                         f"(names: {AUTOCAST_PREFIX}<dtype>[@<budget>], e.g. {AUTOCAST_PREFIX}bf16@0.5)")
+    aotgrad.config.patch(**options)  # checks the budget (ConfigError, a ValueError, naming the option)
+    dtype, tolerance = AUTOCAST_DTYPES[short]
+    return Autocast(name, dtype, tolerance, options)
+
+
+def not_applicable(strategy: str, sizes: dict[str, Any]) -> str | None:
+    """Why `strategy` does not apply to a workload built with `sizes`, or None where it
+    does: autocast on a model already written in 16 bits by hand (`dtype` in its sizes),
+    the anchor autocast is measured against, measures nothing."""
+    dtype = sizes.get("dtype", "float32")
+    if strategy.startswith(AUTOCAST_PREFIX) and dtype != "float32":
+        return (f"{strategy} does not apply to a model written in {dtype} by hand (sizes dtype={dtype!r}): "
+                f"it is the anchor autocast on the float32 model is measured against")
+    return None
+
+
+def check_applies(strategy: str, w: Workload) -> None:
+    """Raises ValueError naming the pair where `not_applicable` says why."""
+    why = not_applicable(strategy, w.sizes)
+    if why is not None:
+        raise ValueError(f"workload {w.name!r}: {why}")
 
 
 def _autocast(name: str, w: Workload, memory: bool) -> Prepared:
-    """The default partitioner under `aotgrad.autocast(dtype=...)`: the setting is read when
-    the function is traced and is part of its cache key, so every call runs inside it."""
-    dtype, tolerance = AUTOCAST_STRATEGIES[name]
-    context = lambda: aotgrad.autocast(dtype=dtype)  # noqa: E731
+    """The default partitioner under `aotgrad.autocast(dtype=...)` (and the budget, if
+    named): the settings are read when the function is traced and are part of its cache
+    key, so every call runs inside them."""
+    check_applies(name, w)
+    spec = autocast_strategy(name)
+    context = spec.context
     notes: list[str] = []
     with context():
         fwd, bwd = aotgrad.fwd_and_bwd(w.loss_fn, argnums=0)
@@ -368,8 +448,9 @@ def _autocast(name: str, w: Workload, memory: bool) -> Prepared:
     reference = jax.jit(jax.grad(w.loss_fn))(w.params, w.batch)
     error = max_relative_error(grads, reference)
     notes.insert(0, f"casts: {report.casts}")
-    if error > tolerance:
-        notes.append(f"gradient error {error:.1e} above the expected {tolerance:.0e} for {jnp.dtype(dtype).name}")
+    if error > spec.tolerance:
+        notes.append(f"gradient error {error:.1e} above the expected {spec.tolerance:.0e} for "
+                     f"{jnp.dtype(spec.dtype).name}")
     return Prepared(name, step, context, grads, first, saved, mem,
                     BuildSeconds(t.trace, t.partition, t.lower, t.compile), tuple(notes))
 

@@ -3,7 +3,9 @@ machine does not have, and XLA's own numbers for it.
 
 `python -m benchmarks.run --target h100` (also `tpu-v5e`; `--devices 8 --sharding dp|fsdp`)
 compiles `jax.jit(jax.value_and_grad(loss))` for each strategy (fused, `jax.checkpoint` on
-each layer under each policy, aotgrad at several budgets) against the target's topology, with
+each layer under each policy, aotgrad at several budgets; named with `--strategies`, also
+`autocast:bf16` / `autocast:fp16`, optionally `@<budget>`: the aotgrad step traced under
+`aotgrad.autocast(<the target's device type>, dtype=...)`) against the target's topology, with
 the arguments placed on its mesh, and reports per device:
 - peak: XLA's `memory_analysis()` of the step (temp + arguments + outputs - aliased), and the
   activation peak (that minus the parameters and the batch on one device);
@@ -32,12 +34,12 @@ import aotgrad
 from aotgrad.planning.measure import async_slice_excess, measure
 from aotgrad.planning.place import per_device_bytes, place
 from aotgrad.targets import resolve as resolve_target
-from benchmarks.strategies import (AOTGRAD_PREFIX, CHECKPOINT_PREFIX, CHECKPOINT_STRATEGIES, aotgrad_options,
-                                   checkpointed)
+from benchmarks.strategies import (AOTGRAD_PREFIX, AUTOCAST_PREFIX, CHECKPOINT_PREFIX, CHECKPOINT_STRATEGIES,
+                                   aotgrad_options, autocast_strategy, check_applies, checkpointed, not_applicable)
 from benchmarks.workloads import Workload, build
 
-__all__ = ["TargetRow", "async_slice_excess", "compile_step", "format_rows", "plot", "run_target", "step_and_context",
-           "target_strategies"]
+__all__ = ["TargetRow", "async_slice_excess", "compile_step", "device_type", "format_rows", "plot", "run_target",
+           "step_and_context", "target_strategies"]
 
 BUDGETS = (1.0, 0.5, 0.2, 0.0)
 
@@ -72,28 +74,47 @@ def _specs(w: Workload, mesh: jax.sharding.Mesh, sharding: str) -> tuple[Any, An
     return params.dynamic, batch.dynamic
 
 
-def step_and_context(strategy: str, w: Workload) -> tuple[Callable[..., Any], Callable[[], Any]]:
-    """(the step to jit, a context to trace it under)."""
+def device_type(target: Any) -> str:
+    """The autocast device type (policy table) of a target (a name `aotgrad.targets.resolve`
+    takes, or a `Target`): "gpu" for a CUDA or ROCm GPU, "tpu", "cpu"."""
+    platform = resolve_target(target).platform
+    return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+
+
+def step_and_context(strategy: str, w: Workload,
+                     device: str | None = None) -> tuple[Callable[..., Any], Callable[[], Any]]:
+    """(the step to jit, a context to trace it under). `device`: the autocast device type of
+    an `autocast:` strategy (None: the default backend's). A name no family knows is a
+    ValueError naming it, as is a strategy that does not apply to the workload."""
+    check_applies(strategy, w)
     if strategy == "fused":
         return jax.value_and_grad(w.loss_fn), contextlib.nullcontext
     if strategy.startswith(CHECKPOINT_PREFIX):
         return jax.value_and_grad(checkpointed(strategy, w).loss_fn), contextlib.nullcontext
+    if strategy.startswith(AUTOCAST_PREFIX):
+        spec = autocast_strategy(strategy)
+        return jax.value_and_grad(aotgrad.compile(w.loss_fn)), lambda: spec.context(device)
+    if not strategy.startswith(AOTGRAD_PREFIX):
+        raise ValueError(f"strategy {strategy!r}: not one a compiled step is built for (fused, "
+                         f"{CHECKPOINT_PREFIX}<policy>, {AOTGRAD_PREFIX}<partitioner>[@<budget>], "
+                         f"{AUTOCAST_PREFIX}<bf16|fp16>[@<budget>])")
     options = aotgrad_options(strategy[len(AOTGRAD_PREFIX):])
     return jax.value_and_grad(aotgrad.compile(w.loss_fn)), lambda: aotgrad.config.patch(**options)
 
 
-def compile_step(strategy: str, w: Workload, params: Any, batch: Any) -> Any:
+def compile_step(strategy: str, w: Workload, params: Any, batch: Any, device: str | None = None) -> Any:
     """The strategy's `jax.jit(jax.value_and_grad(loss))` compiled for these arguments
-    (arrays, or `ShapeDtypeStruct`s placed on a target's devices)."""
-    fn, context = step_and_context(strategy, w)
+    (arrays, or `ShapeDtypeStruct`s placed on a target's devices); `device`: the autocast
+    device type (`device_type(target)`; None: the default backend's)."""
+    fn, context = step_and_context(strategy, w, device)
     with context():
         return jax.jit(fn).lower(params, batch).compile()
 
 
-def _measure(strategy: str, w: Workload, params: Any, batch: Any) -> TargetRow:
+def _measure(strategy: str, w: Workload, params: Any, batch: Any, device: str) -> TargetRow:
     t0 = time.perf_counter()
     try:
-        _, m = measure(lambda: compile_step(strategy, w, params, batch))
+        _, m = measure(lambda: compile_step(strategy, w, params, batch, device))
     except Exception as e:  # a strategy that cannot be built for the target is a row that says why
         return TargetRow(w.name, strategy, None, None, None, None, time.perf_counter() - t0,
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
@@ -104,18 +125,27 @@ def _measure(strategy: str, w: Workload, params: Any, batch: Any) -> TargetRow:
 
 def run_target(target_name: str, workloads: Sequence[tuple[str, str, dict]], *, devices: int = 1,
                sharding: str = "dp", strategies: Sequence[str] | None = None,
-               log: Callable[[str], None] = print) -> list[TargetRow]:
-    """Compiles every strategy of every workload `(name, kind, sizes)` for the target."""
+               log: Callable[[str], None] = print, messages: list[str] | None = None) -> list[TargetRow]:
+    """Compiles every strategy of every workload `(name, kind, sizes)` for the target. A pair
+    `not_applicable` refuses (autocast on a model written in 16 bits by hand) is not compiled:
+    it is logged and appended to `messages`."""
     if sharding not in ("dp", "fsdp"):
         raise ValueError(f"--sharding must be 'dp' or 'fsdp'; got {sharding!r}")
-    mesh = resolve_target(target_name).mesh(devices)
+    target = resolve_target(target_name)
+    mesh = target.mesh(devices)
     rows = []
     for name, kind, sizes in workloads:
         w = build(name, kind, sizes)
         params, batch = _specs(w, mesh, sharding)
         for strategy in strategies or target_strategies():
+            why = not_applicable(strategy, sizes)
+            if why is not None:
+                log(f"[{target_name} x{devices} {sharding}] {name} / {strategy}: not run: {why}")
+                if messages is not None:
+                    messages.append(f"{name} / {strategy} not run: {why}")
+                continue
             log(f"[{target_name} x{devices} {sharding}] {name} / {strategy}: compiling")
-            rows.append(_measure(strategy, w, params, batch))
+            rows.append(_measure(strategy, w, params, batch, device_type(target)))
     return rows
 
 

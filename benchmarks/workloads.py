@@ -3,6 +3,14 @@
 `loss_fn(params, batch) -> scalar`; the suite differentiates it with respect to `params`
 (argument 0). Builders are registered in `BUILDERS` under the `kind` a suite file names.
 
+`gpt`, `gpt_scan` and `vit` also take `dtype` ("float32", the default, or "bfloat16" or
+"float16", settable from a suite's `sizes`): the same model written as a careful JAX user
+writes a 16-bit model, the anchor `aotgrad.autocast` is measured against. The parameters
+stay float32 (master weights) and each is cast to `dtype` where it is used; activations
+and the residual stream are `dtype`; layer-norm statistics, the softmax and the loss are
+float32 (`Precision`). The batch is as in float32 and the loss is float32. At "float32"
+every cast is the identity: the model is the float32 one, equation for equation.
+
 Every builder takes `remat`, a function wrapper applied to each layer (a GPT's or a ViT's
 transformer block, an MLP layer, a convolution stage, the RNN cell, the scanned GPT's scan
 body): the `jax.checkpoint` strategies pass `functools.partial(jax.checkpoint,
@@ -19,7 +27,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["BUILDERS", "Workload", "build", "layer_norm"]
+__all__ = ["BUILDERS", "DTYPES", "Precision", "Workload", "build", "layer_norm"]
 
 Params = dict[str, Any]
 Batch = dict[str, Any]
@@ -71,6 +79,46 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-
     return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
 
 
+# The `dtype` a model's activations may be written in (see the module docstring).
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """Where a hand-written 16-bit model casts: `dtype` for weights at their use and for
+    activations, float32 for layer-norm statistics, the softmax and the loss. At float32
+    every method is the identity (`astype` to an array's own dtype adds no equation)."""
+    dtype: Any = jnp.float32
+
+    @classmethod
+    def of(cls, name: str) -> "Precision":
+        if name not in DTYPES:
+            raise ValueError(f"dtype {name!r}: a model's activations are one of {list(DTYPES)}")
+        return cls(jnp.dtype(name))
+
+    def weight(self, w: jax.Array) -> jax.Array:
+        """A float32 master weight, cast at its use."""
+        return w.astype(self.dtype)
+
+    def dense(self, x: jax.Array, p: Params) -> jax.Array:
+        return x @ self.weight(p["w"]) + self.weight(p["b"])
+
+    def layer_norm(self, x: jax.Array, p: Params) -> jax.Array:
+        """Statistics, normalization and scale in float32, the result cast back to `dtype`."""
+        return layer_norm(x.astype(jnp.float32), p["scale"], p["bias"]).astype(self.dtype)
+
+    def softmax(self, scores: jax.Array) -> jax.Array:
+        """In float32, the probabilities cast back to `dtype` for the value matmul."""
+        return jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(self.dtype)
+
+    def loss(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
+        """Cross-entropy of the logits in float32."""
+        return _cross_entropy(logits.astype(jnp.float32), labels)
+
+
+F32 = Precision()
+
+
 def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
@@ -114,23 +162,23 @@ def _block_params(keys: _Keys, d_model: int) -> Params:
     }
 
 
-def _block(p: Params, x: jax.Array, heads: int, causal: bool = True) -> jax.Array:
+def _block(p: Params, x: jax.Array, heads: int, causal: bool = True, prec: Precision = F32) -> jax.Array:
     """Pre-LN transformer block: multi-head attention (causal unless `causal` is False),
-    then a tanh-GELU 4x MLP."""
+    then a tanh-GELU 4x MLP; `prec`: where a 16-bit model casts."""
     b, t, d = x.shape
     dh = d // heads
-    h = layer_norm(x, p["ln1"]["scale"], p["ln1"]["bias"])
-    qkv = h @ p["qkv"]["w"] + p["qkv"]["b"]
+    h = prec.layer_norm(x, p["ln1"])
+    qkv = prec.dense(h, p["qkv"])
     q, k, v = (z.reshape(b, t, heads, dh) for z in jnp.split(qkv, 3, axis=-1))
     scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(dh)
-    if causal:
-        scores = jnp.where(jnp.tril(jnp.ones((t, t), jnp.bool_)), scores, jnp.finfo(jnp.float32).min)
-    attn = jax.nn.softmax(scores, axis=-1)
+    if causal:  # the most negative value of the scores' own type: no promotion, no overflow
+        scores = jnp.where(jnp.tril(jnp.ones((t, t), jnp.bool_)), scores, jnp.finfo(scores.dtype).min)
+    attn = prec.softmax(scores)
     o = jnp.einsum("bhts,bshd->bthd", attn, v).reshape(b, t, d)
-    x = x + o @ p["proj"]["w"] + p["proj"]["b"]
-    h = layer_norm(x, p["ln2"]["scale"], p["ln2"]["bias"])
-    h = jax.nn.gelu(h @ p["fc1"]["w"] + p["fc1"]["b"], approximate=True)
-    return x + h @ p["fc2"]["w"] + p["fc2"]["b"]
+    x = x + o @ prec.weight(p["proj"]["w"]) + prec.weight(p["proj"]["b"])
+    h = prec.layer_norm(x, p["ln2"])
+    h = jax.nn.gelu(prec.dense(h, p["fc1"]), approximate=True)
+    return x + h @ prec.weight(p["fc2"]["w"]) + prec.weight(p["fc2"]["b"])
 
 
 def transformer_block(seed: int = 0, *, batch: int, seq: int, d_model: int,
@@ -150,39 +198,41 @@ def transformer_block(seed: int = 0, *, batch: int, seq: int, d_model: int,
 
 
 def gpt(seed: int = 0, *, batch: int, seq: int, d_model: int, heads: int, layers: int,
-        vocab: int, remat: Remat = _plain) -> tuple[LossFn, Params, Batch]:
+        vocab: int, dtype: str = "float32", remat: Remat = _plain) -> tuple[LossFn, Params, Batch]:
     """GPT-style stack: token + position embeddings, `layers` pre-LN blocks (a Python
     loop, so every layer is its own code), final LayerNorm, tied-embedding logits,
-    next-token cross-entropy on integer tokens."""
+    next-token cross-entropy on integer tokens. `dtype`: see the module docstring."""
     keys = _Keys(seed)
+    prec = Precision.of(dtype)
     params = _gpt_params(keys, d_model, seq, vocab, layers)
-    block = remat(functools.partial(_block, heads=heads))
+    block = remat(functools.partial(_block, heads=heads, prec=prec))
 
     def loss_fn(params: Params, batch: Batch) -> jax.Array:
-        x = params["wte"][batch["tokens"]] + params["wpe"]
+        x, wte = _gpt_embed(params, batch, prec)
         for p in params["blocks"]:
             x = block(p, x)
-        return _gpt_head(params, x, batch)
+        return _gpt_head(params, x, batch, wte, prec)
 
     return loss_fn, params, _gpt_batch(keys, batch, seq, vocab)
 
 
 def gpt_scan(seed: int = 0, *, batch: int, seq: int, d_model: int, heads: int, layers: int,
-             vocab: int, remat: Remat = _plain) -> tuple[LossFn, Params, Batch]:
+             vocab: int, dtype: str = "float32", remat: Remat = _plain) -> tuple[LossFn, Params, Batch]:
     """The GPT stack written as large JAX models are: the blocks' parameters stacked on a
     leading layer axis and one `lax.scan` over them (the same model as `gpt`, one body)."""
     keys = _Keys(seed)
+    prec = Precision.of(dtype)
     params = _gpt_params(keys, d_model, seq, vocab, layers)
     params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *params["blocks"])
 
     @remat
     def body(x: jax.Array, p: Params) -> tuple[jax.Array, None]:
-        return _block(p, x, heads), None
+        return _block(p, x, heads, prec=prec), None
 
     def loss_fn(params: Params, batch: Batch) -> jax.Array:
-        x = params["wte"][batch["tokens"]] + params["wpe"]
+        x, wte = _gpt_embed(params, batch, prec)
         x, _ = jax.lax.scan(body, x, params["blocks"])
-        return _gpt_head(params, x, batch)
+        return _gpt_head(params, x, batch, wte, prec)
 
     return loss_fn, params, _gpt_batch(keys, batch, seq, vocab)
 
@@ -201,19 +251,28 @@ def _gpt_batch(keys: _Keys, batch: int, seq: int, vocab: int) -> Batch:
     return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def _gpt_head(params: Params, x: jax.Array, batch: Batch) -> jax.Array:
+def _gpt_embed(params: Params, batch: Batch, prec: Precision) -> tuple[jax.Array, jax.Array]:
+    """The token and position embeddings summed (the residual stream's start), and the
+    token embedding in `prec.dtype`, cast once for the lookup and the tied logits."""
+    wte = prec.weight(params["wte"])
+    return wte[batch["tokens"]] + prec.weight(params["wpe"]), wte
+
+
+def _gpt_head(params: Params, x: jax.Array, batch: Batch, wte: jax.Array, prec: Precision) -> jax.Array:
     """Final LayerNorm, tied-embedding logits, next-token cross-entropy."""
-    x = layer_norm(x, params["ln_f"]["scale"], params["ln_f"]["bias"])
-    return _cross_entropy(x @ params["wte"].T, batch["targets"])
+    x = prec.layer_norm(x, params["ln_f"])
+    return prec.loss(x @ wte.T, batch["targets"])
 
 
 def vit(seed: int = 0, *, batch: int, image: int, patch: int, d_model: int, heads: int, layers: int,
-        classes: int, remat: Remat = _plain) -> tuple[LossFn, Params, Batch]:
+        classes: int, dtype: str = "float32", remat: Remat = _plain) -> tuple[LossFn, Params, Batch]:
     """Vision transformer: non-overlapping `patch` x `patch` patches of an NHWC image
     projected to `d_model` plus learned positions, `layers` pre-LN blocks with
     bidirectional attention (a Python loop), final LayerNorm, global average pool over the
-    patches, a dense classifier, softmax cross-entropy."""
+    patches, a dense classifier, softmax cross-entropy. `dtype`: see the module docstring
+    (the float32 images are cast to it for the patch projection)."""
     keys = _Keys(seed)
+    prec = Precision.of(dtype)
     params = {
         "patch": {"w": _dense(keys, patch * patch * 3, d_model), "b": jnp.zeros((d_model,), jnp.float32)},
         "pos": jax.random.normal(keys(), ((image // patch) ** 2, d_model), jnp.float32) * 0.02,
@@ -223,16 +282,17 @@ def vit(seed: int = 0, *, batch: int, image: int, patch: int, d_model: int, head
     }
     data = {"images": jax.random.normal(keys(), (batch, image, image, 3), jnp.float32),
             "labels": jax.random.randint(keys(), (batch,), 0, classes, jnp.int32)}
-    block = remat(functools.partial(_block, heads=heads, causal=False))
+    block = remat(functools.partial(_block, heads=heads, causal=False, prec=prec))
 
     def loss_fn(params: Params, batch: Batch) -> jax.Array:
         b, n = batch["images"].shape[0], image // patch
         x = batch["images"].reshape(b, n, patch, n, patch, 3).transpose(0, 1, 3, 2, 4, 5)
-        x = x.reshape(b, n * n, patch * patch * 3) @ params["patch"]["w"] + params["patch"]["b"] + params["pos"]
+        x = prec.weight(x.reshape(b, n * n, patch * patch * 3))
+        x = prec.dense(x, params["patch"]) + prec.weight(params["pos"])
         for p in params["blocks"]:
             x = block(p, x)
-        x = jnp.mean(layer_norm(x, params["ln_f"]["scale"], params["ln_f"]["bias"]), axis=1)
-        return _cross_entropy(x @ params["head"]["w"] + params["head"]["b"], batch["labels"])
+        x = jnp.mean(prec.layer_norm(x, params["ln_f"]), axis=1)
+        return prec.loss(prec.dense(x, params["head"]), batch["labels"])
 
     return loss_fn, params, data
 
