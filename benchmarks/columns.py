@@ -15,8 +15,9 @@ from benchmarks.overhead import TARGET_RATIO, OverheadRow
 from benchmarks.records import Row
 from benchmarks.targets import TargetRow
 
-__all__ = ["Column", "NOISE", "OVERHEAD_COLUMNS", "OVERHEAD_KEY", "Pick", "Refs", "SUITE_COLUMNS", "SUITE_KEY", "TARGET_COLUMNS", "TARGET_KEY",
-           "TIME_SLACK", "by_workload", "pick_suite", "pick_target", "suite_refs", "target_refs", "within_noise"]
+__all__ = ["Column", "MIXED_COLUMNS", "NOISE", "OVERHEAD_COLUMNS", "OVERHEAD_KEY", "Pick", "Refs", "SUITE_COLUMNS",
+           "SUITE_KEY", "TARGET_COLUMNS", "TARGET_KEY", "TIME_SLACK", "by_workload", "hand_workload", "mixed_precision",
+           "pick_suite", "pick_target", "suite_refs", "target_refs", "within_noise"]
 
 R = TypeVar("R")
 PEER = "jax_fwd_and_bwd"
@@ -29,6 +30,7 @@ class Refs(Generic[R]):
     """The rows a workload's other rows are compared with."""
     fused: R | None
     peer: R | None = None  # jax_fwd_and_bwd (the suite only)
+    hand: R | None = None  # the model written in 16 bits by hand, fused (a target's mixed-precision table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +61,8 @@ def _giga(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e9:.4g}"
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or not b else f"{a / b:.2f}x"
+def _ratio(a: float | None, b: float | None, digits: int = 2) -> str:
+    return "-" if a is None or not b else f"{a / b:.{digits}f}x"
 
 
 def within_noise(a: Stats, b: Stats) -> bool:
@@ -154,6 +156,61 @@ TARGET_COLUMNS: tuple[Column[TargetRow], ...] = (
            lambda r, _: _giga(r.flops)),
     Column(("compile", "s"), "seconds to trace, lower and compile the step on this machine",
            lambda r, _: f"{r.compile_seconds:.1f}"),
+)
+
+
+# ----------------------------------------------------------------------------- mixed precision
+
+AUTOCAST = "autocast:"
+
+
+def hand_workload(workload: str, strategy: str) -> str:
+    """The workload that holds the hand-written 16-bit model an `autocast:<d>[@<budget>]` row
+    of `workload` is compared with: `<workload>_<d>` (the suites name them so: `gpt_bf16` is
+    `gpt` with dtype "bfloat16" in its sizes)."""
+    short = strategy[len(AUTOCAST):].partition("@")[0]
+    return f"{workload}_{short}"
+
+
+def mixed_precision(rows: Sequence[TargetRow]) -> tuple[list[TargetRow], Callable[[TargetRow], Refs[TargetRow]]]:
+    """A target's rows side by side per model: its float32 fused step, its hand-written
+    16-bit model's fused step (`<model>_bf16`, `<model>_fp16`) and its autocast rows, for
+    every model that has autocast rows or a hand-written bf16 model; and each row's
+    references: the model's float32 fused step, and the hand-written model of the row's
+    dtype (of the float32 row: the first autocast row's dtype, else bf16). Empty where the
+    file has neither."""
+    ok = {(r.workload, r.strategy): r for r in rows if r.error is None}
+    out: list[TargetRow] = []
+    refs: dict[int, Refs[TargetRow]] = {}
+    for workload, mine in by_workload(rows).items():
+        autocast = [r for r in mine if r.strategy.startswith(AUTOCAST)]
+        hands = list(dict.fromkeys(hand_workload(workload, r.strategy) for r in autocast)) or [workload + "_bf16"]
+        hand_rows = [r for h in hands for r in rows if (r.workload, r.strategy) == (h, "fused")]
+        if not autocast and not hand_rows:
+            continue
+        fused = ok.get((workload, "fused"))
+        for r in [r for r in mine if r.strategy == "fused"] + hand_rows + autocast:
+            hand = (r.workload if r in hand_rows else hand_workload(workload, r.strategy) if r in autocast
+                    else hands[0])
+            refs[id(r)] = Refs(fused, hand=ok.get((hand, "fused")))
+            out.append(r)
+    return out, lambda r: refs[id(r)]
+
+
+MIXED_COLUMNS: tuple[Column[TargetRow], ...] = (
+    Column(("act", "MB"), "the activation peak per device (the peak less the parameters and the batch)",
+           lambda r, _: _mb(r.activation_peak)),
+    Column(("GB", "moved"), "bytes moved (as in the table above)", lambda r, _: _giga(r.bytes_moved)),
+    Column(("GFLOP",), "floating-point operations", lambda r, _: _giga(r.flops)),
+    Column(("act /", "hand"), "the activation peak over the hand-written 16-bit model's (its fused step), to "
+           "three decimals (as the next two)",
+           lambda r, ref: _ratio(r.activation_peak, ref.hand and ref.hand.activation_peak, 3)),
+    Column(("moved /", "hand"), "bytes moved over the hand-written 16-bit model's",
+           lambda r, ref: _ratio(r.bytes_moved, ref.hand and ref.hand.bytes_moved, 3)),
+    Column(("FLOP /", "hand"), "FLOPs over the hand-written 16-bit model's",
+           lambda r, ref: _ratio(r.flops, ref.hand and ref.hand.flops, 3)),
+    Column(("act /", "fp32"), "the activation peak over the float32 model's fused step",
+           lambda r, ref: _ratio(r.activation_peak, ref.fused and ref.fused.activation_peak)),
 )
 
 

@@ -35,6 +35,9 @@ class RealModel:
     loss: Loss
     make_step: Callable[[Loss], Step]
     arrays: Callable[[Any], Any]
+    # The loss as a function of (parameters, batch), with fresh parameters and a batch: the
+    # model as a benchmark workload (`benchmarks.workloads`); None where not offered.
+    functional: Callable[[], tuple[Loss, Any, Any]] | None = None
 
 
 def key_data(tree: Any) -> Any:
@@ -69,6 +72,7 @@ def rope(x: jax.Array, base: float = 10_000.0) -> jax.Array:
     t, half = x.shape[1], x.shape[-1] // 2
     angle = jnp.arange(t, dtype=jnp.float32)[:, None] * base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     sin, cos = jnp.sin(angle)[:, None, :], jnp.cos(angle)[:, None, :]
+    sin, cos = sin.astype(x.dtype), cos.astype(x.dtype)  # a 16-bit x stays 16-bit (float32: no-ops)
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 

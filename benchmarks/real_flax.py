@@ -1,5 +1,13 @@
 """The Flax real-model families: a Gemma-style NNX decoder, a linen ResNet under pmap,
-a linen decoder with nn.scan (benchmarks/real_models.py)."""
+a linen decoder with nn.scan (benchmarks/real_models.py).
+
+The two decoders also take `dtype` ("float32", the default, or "bfloat16"): the model as a
+Flax user writes it in 16 bits, modules built with `dtype=<dtype>, param_dtype=float32`
+(float32 master weights cast at use), normalization statistics, the attention softmax and
+the loss in float32. At "float32" the model is the one trained in the tests, unchanged.
+Each `RealModel` of these two also has `functional`: the loss as a function of
+(parameters, batch), fresh parameters and a batch, which `benchmarks.workloads` makes the
+workload kinds `gemma_nnx` and `decoder_linen_scan`."""
 from __future__ import annotations
 
 import functools
@@ -14,27 +22,46 @@ from benchmarks.real_common import (Loss, RealModel, Step, adamw, cross_entropy,
 
 __all__ = ["decoder_linen_scan", "gemma_nnx", "resnet_linen_pmap"]
 
+
+def _dtype(name: str) -> Any:
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype {name!r}: one of 'float32', 'bfloat16', 'float16'")
+    return jnp.dtype(name)
+
+
+def _logits_f32(logits: jax.Array) -> jax.Array:
+    """The loss in float32 (no-op for float32 logits)."""
+    return logits.astype(jnp.float32)
+
 # ----------------------------------------------------------------------------- 1. Gemma-style NNX
 
 def gemma_nnx(*, batch: int = 4, seq: int = 64, d_model: int = 64, heads: int = 4, layers: int = 2,
-              vocab: int = 512) -> RealModel:
+              vocab: int = 512, dtype: str = "float32") -> RealModel:
     """A Gemma-style decoder in Flax NNX: scaled token embedding, pre- and post-RMSNorm
     ((1 + scale), zero-initialized), rotary embeddings, causal attention through
-    `jax.nn.dot_product_attention`, GeGLU MLP, tied logits. Step: `nnx.jit`, `nnx.Optimizer`."""
+    `jax.nn.dot_product_attention`, GeGLU MLP, tied logits. Step: `nnx.jit`, `nnx.Optimizer`.
+    `dtype`: see the module docstring (RMSNorm in float32, its output cast back;
+    `jax.nn.dot_product_attention` takes its softmax in float32 itself)."""
     from flax import nnx
+
+    compute = _dtype(dtype)
+    # Modules in 16 bits: dtype= casts the float32 parameters at use. float32: as before.
+    kw: dict[str, Any] = {} if compute == jnp.float32 else {"dtype": compute, "param_dtype": jnp.float32}
 
     class RMSNorm(nnx.Module):
         def __init__(self, dim: int) -> None:
             self.scale = nnx.Param(jnp.zeros((dim,), jnp.float32))
 
         def __call__(self, x: jax.Array) -> jax.Array:
-            return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * (1 + self.scale[...])
+            x32 = x.astype(jnp.float32)  # the statistics in float32 (float32 x: no-op)
+            y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6) * (1 + self.scale[...])
+            return y.astype(x.dtype)
 
     class Attention(nnx.Module):
         def __init__(self, rngs: nnx.Rngs) -> None:
             self.heads = heads
-            self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, rngs=rngs)
-            self.out = nnx.Linear(d_model, d_model, use_bias=False, rngs=rngs)
+            self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, rngs=rngs, **kw)
+            self.out = nnx.Linear(d_model, d_model, use_bias=False, rngs=rngs, **kw)
 
         def __call__(self, x: jax.Array) -> jax.Array:
             b, t, d = x.shape
@@ -44,9 +71,9 @@ def gemma_nnx(*, batch: int = 4, seq: int = 64, d_model: int = 64, heads: int = 
 
     class GeGLU(nnx.Module):
         def __init__(self, rngs: nnx.Rngs) -> None:
-            self.gate = nnx.Linear(d_model, 4 * d_model, use_bias=False, rngs=rngs)
-            self.up = nnx.Linear(d_model, 4 * d_model, use_bias=False, rngs=rngs)
-            self.down = nnx.Linear(4 * d_model, d_model, use_bias=False, rngs=rngs)
+            self.gate = nnx.Linear(d_model, 4 * d_model, use_bias=False, rngs=rngs, **kw)
+            self.up = nnx.Linear(d_model, 4 * d_model, use_bias=False, rngs=rngs, **kw)
+            self.down = nnx.Linear(4 * d_model, d_model, use_bias=False, rngs=rngs, **kw)
 
         def __call__(self, x: jax.Array) -> jax.Array:
             return self.down(jax.nn.gelu(self.gate(x)) * self.up(x))
@@ -63,7 +90,7 @@ def gemma_nnx(*, batch: int = 4, seq: int = 64, d_model: int = 64, heads: int = 
 
     class Decoder(nnx.Module):
         def __init__(self, rngs: nnx.Rngs) -> None:
-            self.embed = nnx.Embed(vocab, d_model, rngs=rngs)
+            self.embed = nnx.Embed(vocab, d_model, rngs=rngs, **kw)
             self.blocks = nnx.List([Block(rngs) for _ in range(layers)])
             self.norm = RMSNorm(d_model)
 
@@ -83,7 +110,7 @@ def gemma_nnx(*, batch: int = 4, seq: int = 64, d_model: int = 64, heads: int = 
 
     def loss(model: Decoder, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
         tokens, targets = batch
-        return cross_entropy(model(tokens), targets)
+        return cross_entropy(_logits_f32(model(tokens)), targets)
 
     def make_step(loss_fn: Loss) -> Step:
         @nnx.jit
@@ -100,7 +127,14 @@ def gemma_nnx(*, batch: int = 4, seq: int = 64, d_model: int = 64, heads: int = 
         model, optimizer, _ = state
         return key_data(nnx.to_pure_dict(nnx.state((model, optimizer))))
 
-    return RealModel("gemma_nnx", "flax.nnx, nnx.jit", init, loss, make_step, arrays)
+    def functional() -> tuple[Loss, Any, Any]:
+        """The loss of (the model's parameters, a batch): the module graph split off once,
+        merged again with the traced parameters inside the loss."""
+        graphdef, params = nnx.split(nnx.jit(lambda: Decoder(nnx.Rngs(0)))())
+        return (lambda params, batch: loss(nnx.merge(graphdef, params), batch)), params, \
+            token_batch(batch, seq, vocab)
+
+    return RealModel("gemma_nnx", "flax.nnx, nnx.jit", init, loss, make_step, arrays, functional)
 
 
 # ----------------------------------------------------------------------------- 2. linen ResNet under pmap
@@ -180,29 +214,38 @@ def resnet_linen_pmap(*, batch: int = 16, size: int = 16, channels: int = 16, bl
 # ----------------------------------------------------------------------------- 3. linen decoder, nn.scan
 
 def decoder_linen_scan(*, batch: int = 4, seq: int = 64, d_model: int = 64, heads: int = 4,
-                       layers: int = 4, vocab: int = 512) -> RealModel:
+                       layers: int = 4, vocab: int = 512, dtype: str = "float32") -> RealModel:
     """A pre-LN decoder in Flax linen whose `layers` blocks are one `nn.scan` (parameters
     stacked on a leading layer axis): `nn.MultiHeadDotProductAttention` with a causal mask, GELU MLP,
-    learned positions, untied head. Step: `jax.jit` of an optax update."""
+    learned positions, untied head. Step: `jax.jit` of an optax update. `dtype`: see the
+    module docstring (`nn.LayerNorm` keeps its statistics in float32 itself; the attention
+    is `jax.nn.dot_product_attention`, softmax in float32, the probabilities in `dtype` for
+    the value matmul: Flax's own `force_fp32_for_softmax` leaves them float32, and that
+    matmul with them)."""
     import flax.linen as nn
+
+    compute = _dtype(dtype)
+    kw: dict[str, Any] = {} if compute == jnp.float32 else {"dtype": compute, "param_dtype": jnp.float32}
+    attend: dict[str, Any] = {} if compute == jnp.float32 else {"attention_fn": _attention_fp32_softmax}
 
     class Block(nn.Module):
         @nn.compact
         def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
             mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-            attention = nn.MultiHeadDotProductAttention(num_heads=heads, use_bias=False, deterministic=True)
-            x = x + attention(nn.LayerNorm()(x), mask=mask)
-            h = nn.gelu(nn.Dense(4 * d_model)(nn.LayerNorm()(x)))
-            return x + nn.Dense(d_model)(h), None
+            attention = nn.MultiHeadDotProductAttention(num_heads=heads, use_bias=False, deterministic=True,
+                                                        **kw, **attend)
+            x = x + attention(nn.LayerNorm(**kw)(x), mask=mask)
+            h = nn.gelu(nn.Dense(4 * d_model, **kw)(nn.LayerNorm(**kw)(x)))
+            return x + nn.Dense(d_model, **kw)(h), None
 
     class Decoder(nn.Module):
         @nn.compact
         def __call__(self, tokens: jax.Array) -> jax.Array:
-            x = nn.Embed(vocab, d_model)(tokens)
-            x = x + self.param("positions", nn.initializers.normal(0.02), (seq, d_model))
+            x = nn.Embed(vocab, d_model, **kw)(tokens)
+            x = x + self.param("positions", nn.initializers.normal(0.02), (seq, d_model)).astype(x.dtype)
             stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=layers)
             x, _ = stack()(x, None)
-            return nn.Dense(vocab, use_bias=False)(nn.LayerNorm()(x))
+            return nn.Dense(vocab, use_bias=False, **kw)(nn.LayerNorm(**kw)(x))
 
     model, tx = Decoder(), adamw()
 
@@ -217,11 +260,24 @@ def decoder_linen_scan(*, batch: int = 4, seq: int = 64, d_model: int = 64, head
 
     def loss(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
         tokens, targets = batch
-        return cross_entropy(model.apply({"params": params}, tokens), targets)
+        return cross_entropy(_logits_f32(model.apply({"params": params}, tokens)), targets)
 
     make_step = functools.partial(jitted_optax_step, tx=tx)
 
+    def functional() -> tuple[Loss, Any, Any]:
+        batch_ = token_batch(batch, seq, vocab)
+        return loss, jax.jit(model.init)(jax.random.key(0), batch_[0])["params"], batch_
+
     return RealModel("decoder_linen_scan", "flax.linen nn.scan, jax.jit", init, loss, make_step,
-                     lambda state: key_data(state[:2]))
+                     lambda state: key_data(state[:2]), functional)
+
+
+def _attention_fp32_softmax(query: jax.Array, key: jax.Array, value: jax.Array, bias: Any = None,
+                            mask: Any = None, **_: Any) -> jax.Array:
+    """`nn.MultiHeadDotProductAttention`'s `attention_fn` for a 16-bit model:
+    `jax.nn.dot_product_attention` (logits and softmax in float32, the probabilities in the
+    inputs' dtype for the value matmul). No dropout (the decoder is deterministic)."""
+    return jax.nn.dot_product_attention(query, key, value, bias=bias,
+                                        mask=None if mask is None else mask.astype(jnp.bool_))
 
 

@@ -23,9 +23,9 @@ import re
 import sys
 from typing import Any, Sequence
 
-from benchmarks.columns import (NOISE, OVERHEAD_COLUMNS, OVERHEAD_KEY, SUITE_COLUMNS, SUITE_KEY, TARGET_COLUMNS,
-                                TARGET_KEY, TIME_SLACK, Column, Pick, Refs, pick_suite, pick_target, suite_refs,
-                                target_refs)
+from benchmarks.columns import (MIXED_COLUMNS, NOISE, OVERHEAD_COLUMNS, OVERHEAD_KEY, SUITE_COLUMNS, SUITE_KEY,
+                                TARGET_COLUMNS, TARGET_KEY, TIME_SLACK, Column, Pick, Refs, mixed_precision, pick_suite,
+                                pick_target, suite_refs, target_refs)
 from benchmarks.results_files import RESULTS_DIR, ROOT, ResultsError, Run, load_dir
 
 __all__ = ["PAGE", "fill_markers", "main", "render_page", "stale"]
@@ -33,7 +33,13 @@ __all__ = ["PAGE", "fill_markers", "main", "render_page", "stale"]
 PAGE = ROOT / "docs" / "results.md"
 MARKER = re.compile(r"<!-- results:(\w+)([^>]*?) -->(.*?)<!-- /results -->", re.S)
 SEP = ";"  # between a marker's arguments (a pipe would end a table's cell)
-LEGENDS = {"suite": SUITE_COLUMNS, "target": TARGET_COLUMNS, "overhead": OVERHEAD_COLUMNS}
+LEGENDS = {"suite": SUITE_COLUMNS, "target": TARGET_COLUMNS, "mixed": MIXED_COLUMNS, "overhead": OVERHEAD_COLUMNS}
+MIXED_HEADING = "### Mixed precision: autocast against the model written in 16 bits by hand"
+MIXED_TEXT = ("Per model: its float32 fused step (`<model>` / `fused`); the same model written in bfloat16 by "
+              "hand, its fused step (`<model>_bf16` / `fused`: float32 master weights cast to bfloat16 at their "
+              "use, bfloat16 activations and residual stream, layer-norm statistics, the softmax and the loss in "
+              "float32), the anchor; and `aotgrad.autocast` of the target's device type on the float32 model "
+              "(`autocast:bf16`, at a budget `autocast:bf16@<budget>`), its ratios to the anchor:")
 SLACK = f"{(TIME_SLACK - 1) * 100:.0f}%"
 
 
@@ -123,6 +129,10 @@ def _section(run: Run) -> list[str]:
     if run.is_target:
         out += _table(TARGET_KEY, TARGET_COLUMNS, run.target_rows, target_refs(run.target_rows))
         out += ["", "Columns (per device):", "", *legend(TARGET_COLUMNS)]
+        mixed, refs = mixed_precision(run.target_rows)
+        if mixed:
+            out += ["", MIXED_HEADING, "", MIXED_TEXT, "", *_table(TARGET_KEY, MIXED_COLUMNS, mixed, refs),
+                    "", "Columns (per device):", "", *legend(MIXED_COLUMNS)]
     else:
         out += _table(SUITE_KEY, SUITE_COLUMNS, run.rows, suite_refs(run.rows))
         out += ["", "Columns:", "", *legend(SUITE_COLUMNS)]

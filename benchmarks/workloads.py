@@ -363,6 +363,41 @@ def rnn(seed: int = 0, *, batch: int, seq: int, d_in: int, hidden: int,
     return loss_fn, params, data
 
 
+# ----------------------------------------------------------------------------- real Flax models
+
+def _real_flax(name: str, seed: int, remat: Remat, **sizes: Any) -> tuple[LossFn, Params, Batch]:
+    """A decoder of benchmarks/real_flax.py as a workload: its loss of (parameters, batch)."""
+    if remat is not _plain:
+        raise ValueError(f"{name} is built of Flax modules: there is no layer function to wrap in jax.checkpoint")
+    if seed != 0:
+        raise ValueError(f"{name} initializes from its own fixed keys; seed {seed} would be ignored")
+    try:
+        from benchmarks import real_flax  # flax: only where these kinds are built
+        import flax  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"workload kind {name!r} needs flax (pip install flax): {e}") from None
+    model = getattr(real_flax, name)(**sizes)
+    assert model.functional is not None
+    return model.functional()
+
+
+def gemma_nnx(seed: int = 0, *, batch: int, seq: int, d_model: int, heads: int, layers: int, vocab: int,
+              dtype: str = "float32", remat: Remat = _plain) -> tuple[LossFn, Params, Batch]:
+    """The Gemma-style Flax NNX decoder of benchmarks/real_flax.py (needs flax), its
+    parameters an `nnx.State`; `dtype` "bfloat16": the model with Flax's `dtype=`. No
+    `jax.checkpoint` strategies (Flax modules, no layer function)."""
+    return _real_flax("gemma_nnx", seed, remat, batch=batch, seq=seq, d_model=d_model, heads=heads,
+                      layers=layers, vocab=vocab, dtype=dtype)
+
+
+def decoder_linen_scan(seed: int = 0, *, batch: int, seq: int, d_model: int, heads: int, layers: int,
+                       vocab: int, dtype: str = "float32", remat: Remat = _plain) -> tuple[LossFn, Params, Batch]:
+    """The Flax linen decoder with `nn.scan` of benchmarks/real_flax.py (needs flax); `dtype`
+    as for `gemma_nnx`."""
+    return _real_flax("decoder_linen_scan", seed, remat, batch=batch, seq=seq, d_model=d_model, heads=heads,
+                      layers=layers, vocab=vocab, dtype=dtype)
+
+
 BUILDERS: dict[str, Callable[..., tuple[LossFn, Params, Batch]]] = {
     "mlp": mlp,
     "transformer_block": transformer_block,
@@ -371,6 +406,8 @@ BUILDERS: dict[str, Callable[..., tuple[LossFn, Params, Batch]]] = {
     "vit": vit,
     "convnet": convnet,
     "rnn": rnn,
+    "gemma_nnx": gemma_nnx,
+    "decoder_linen_scan": decoder_linen_scan,
 }
 
 

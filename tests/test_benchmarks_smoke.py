@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,13 +133,24 @@ def test_new_partitioners_are_picked_up_and_failures_continue(tiny_suite: Path) 
 def test_suite_files_parse_and_sizes_fit_the_builders() -> None:
     from benchmarks import suite as suite_mod
     from benchmarks.workloads import BUILDERS
-    for name in ("cpu", "gpu", "gpu_x8", "tpu", "scan_budget", "held_out"):
+    for name in ("cpu", "gpu", "gpu_x8", "tpu", "scan_budget", "held_out", "autocast"):
         suite = suite_mod.load(ROOT / "config" / f"{name}.toml")
         assert suite.workloads and suite.strategies
         for w in suite.workloads:
             inspect.signature(BUILDERS[w.kind]).bind(0, **w.sizes)
     cpu = {w.name: w for w in suite_mod.load(ROOT / "config" / "cpu.toml").workloads}
     assert cpu["transformer_block"].sizes == {"batch": 8, "seq": 128, "d_model": 256, "heads": 8}
+    # Each hand-written bfloat16 model is its float32 model's sizes in bfloat16, and the
+    # mixed-precision suite's models are the GPU suite's.
+    gpu, tpu, mixed = ({w.name: w for w in suite_mod.load(ROOT / "config" / f"{n}.toml").workloads}
+                       for n in ("gpu", "tpu", "autocast"))
+    for suite in (gpu, tpu, mixed):
+        hand = [n for n in suite if n.endswith("_bf16")]
+        assert hand and all((suite[n].kind, suite[n].sizes) == (suite[n[:-5]].kind, {**suite[n[:-5]].sizes,
+                                                                                    "dtype": "bfloat16"})
+                            for n in hand), hand
+    assert {"gpt_bf16", "gpt_scan_bf16", "vit_bf16"} <= set(gpu)
+    assert all((w.kind, w.sizes) == (gpu[n].kind, gpu[n].sizes) for n, w in mixed.items() if n in gpu)
 
 
 def test_torch_peers_on_a_tiny_mlp() -> None:
@@ -270,13 +282,114 @@ def test_any_budget_named_on_the_command_line_is_run_also_for_a_target() -> None
     assert errors == [f"--strategies: 'jax_fwd_and_bwd' matches none of {select_target_strategies(None)[0]}"]
 
 
+def test_autocast_strategies_take_a_budget_as_aotgrad_strategies_do() -> None:
+    """`autocast:bf16@0.5` is bfloat16 autocast at budget 0.5, parsed by the code that parses
+    `aotgrad:min_cut@0.5`'s budget; a name that names no strategy is an error that says why."""
+    import jax.numpy as jnp
+
+    from benchmarks.strategies import autocast_strategy, name_error
+    spec = autocast_strategy("autocast:bf16@0.5")
+    assert (spec.dtype, spec.options) == (jnp.bfloat16, {"activation_memory_budget": 0.5})
+    assert autocast_strategy("autocast:fp16").options == {} and autocast_strategy("autocast:fp16").dtype == jnp.float16
+    assert autocast_strategy("autocast:bf16@2.4GB").options == {"activation_memory_budget": "2.4GB"}
+    assert name_error("autocast:bf16@0") is None and name_error("aotgrad:min_cut@0") is None
+    for bad, why in [("autocast:fp32", "'fp32' is not one of"), ("autocast:bf16@", "no budget after '@'"),
+                     ("aotgrad:min_cut@", "no budget after '@'"), ("autocast:bf16@1.5", "activation_memory_budget"),
+                     ("autocast:bf16@2.4XB", "activation_memory_budget")]:
+        assert why in (name_error(bad) or ""), bad
+        if bad.startswith("autocast:"):
+            with pytest.raises(ValueError, match=re.escape(why)):
+                autocast_strategy(bad)
+
+
+def test_a_target_table_takes_autocast_strategies_and_refuses_a_bad_one() -> None:
+    from benchmarks.run import select_target_strategies
+    names, errors = select_target_strategies(["fused", "autocast:bf16", "autocast:bf16@0.5", "autocast:*"])
+    assert names == ["fused", "autocast:bf16", "autocast:bf16@0.5", "autocast:fp16"] and not errors
+    names, errors = select_target_strategies(["fused", "autocast:bf32"])
+    assert names == ["fused"] and len(errors) == 1 and "'autocast:bf32'" in errors[0] and "'bf32' is not one of" in errors[0]
+
+
+def test_an_autocast_step_is_traced_under_the_targets_device_type_and_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--target h100` traces the aotgrad step under `aotgrad.autocast("gpu", ...)`, tpu-v5e
+    under "tpu", with the budget patched in; a hand-written bfloat16 model is refused by name."""
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import targets
+    from benchmarks.workloads import build
+    assert [targets.device_type(t) for t in ("h100", "a100", "tpu-v5e", "cpu")] == ["gpu", "gpu", "tpu", "cpu"]
+    entered = []
+
+    @contextlib.contextmanager
+    def recording(device_type=None, dtype=None, enabled=True):
+        entered.append((device_type, dtype, aotgrad.config.activation_memory_budget))
+        yield
+    monkeypatch.setattr(aotgrad, "autocast", recording)
+    w = build("tiny_gpt", "gpt", dict(batch=2, seq=8, d_model=16, heads=2, layers=1, vocab=32))
+    fn, context = targets.step_and_context("autocast:bf16@0", w, "gpu")
+    with context():
+        assert aotgrad.config.activation_memory_budget == 0
+    assert entered == [("gpu", jnp.bfloat16, 0)]
+    fn, context = targets.step_and_context("fused", w, "tpu")
+    assert context is contextlib.nullcontext and entered == [("gpu", jnp.bfloat16, 0)]
+    monkeypatch.undo()
+    hand = build("tiny_gpt_bf16", "gpt", dict(w.sizes, dtype="bfloat16"))
+    with pytest.raises(ValueError, match="'tiny_gpt_bf16': autocast:bf16 does not apply to a model written in "
+                                         "bfloat16 by hand"):
+        targets.step_and_context("autocast:bf16", hand, "gpu")
+    with pytest.raises(ValueError, match="'nope'"):
+        targets.step_and_context("nope", w)
+    del jax
+
+
+def test_a_target_run_compiles_autocast_and_skips_it_on_a_hand_written_model_with_a_message() -> None:
+    """On this machine's CPU as the target: the float32 model's fused and autocast steps and
+    the hand-written bfloat16 model's fused step compile; autocast on the hand-written model
+    is not compiled, and the run says so."""
+    from benchmarks import targets
+    sizes = dict(batch=2, seq=8, d_model=16, heads=2, layers=1, vocab=32)
+    messages: list[str] = []
+    rows = targets.run_target("cpu", [("gpt", "gpt", sizes), ("gpt_bf16", "gpt", dict(sizes, dtype="bfloat16"))],
+                              strategies=["fused", "autocast:bf16@0"], log=lambda _: None, messages=messages)
+    assert [(r.workload, r.strategy, r.error) for r in rows] == [
+        ("gpt", "fused", None), ("gpt", "autocast:bf16@0", None), ("gpt_bf16", "fused", None)]
+    assert all(r.peak and r.bytes_accessed for r in rows)
+    assert len(messages) == 1 and messages[0].startswith("gpt_bf16 / autocast:bf16@0 not run: ")
+
+
+def test_the_cpu_suite_runs_autocast_at_a_budget() -> None:
+    """`autocast:bf16@0` in the suite: built and run under bfloat16 autocast at budget 0
+    (what its context enters), gradients float32 and within bfloat16's error of float32."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.strategies import max_relative_error, prepare
+    from benchmarks.workloads import build
+    w = build("tiny_mlp", "mlp", {"batch": 4, "width": 8, "depth": 2})
+    p = prepare("autocast:bf16@0", w, memory=False)
+    with p.context():
+        assert aotgrad.config.activation_memory_budget == 0
+        loss, grads = jax.block_until_ready(p.step())
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    assert max_relative_error(grads, jax.jit(jax.grad(w.loss_fn))(w.params, w.batch)) < 5e-2
+    assert p.notes and p.notes[0].startswith("casts: ")
+    with pytest.raises(ValueError, match="does not apply"):
+        prepare("autocast:bf16", build("tiny_gpt_bf16", "gpt", dict(batch=2, seq=8, d_model=16, heads=2, layers=1,
+                                                                    vocab=32, dtype="bfloat16")), memory=False)
+
+
 @pytest.mark.parametrize("args, named", [
     (["--workloads=nonexistent"], ["--workloads: 'nonexistent' matches none of", "'gpt'", "'call_overhead'"]),
     (["--strategies=aotgrad:mincut"], ["--strategies: 'aotgrad:mincut' matches none of", "'aotgrad:min_cut'",
                                        "'mincut' is not registered"]),
     (["--workloads=gpt,nope*", "--strategies=fused,typo"], ["'nope*' matches none", "'typo' matches none"]),
     (["--target=h100", "--strategies=fused,jax_fwd_and_bwd"], ["--strategies: 'jax_fwd_and_bwd' matches none of",
-                                                               "'checkpoint:nothing_saveable'"])])
+                                                               "'checkpoint:nothing_saveable'"]),
+    (["--target=h100", "--strategies=fused,autocast:bf16@1.5"], ["--strategies: 'autocast:bf16@1.5' matches none",
+                                                                 "activation_memory_budget"])])
 def test_a_pattern_that_matches_nothing_is_an_error(args: list[str], named: list[str]) -> None:
     """A `--workloads` or `--strategies` pattern that matches nothing (a typo) would time
     nothing: exit 2 before anything is built, naming the flag, the pattern and the known names."""
