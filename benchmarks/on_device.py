@@ -17,7 +17,8 @@ on it is not run, with a message). Two numbers need care:
   (outputs + scratch), so the two can be compared row by row;
 - step time: every strategy compiled in one process (the processes above fill XLA's
   persistent compilation cache, so this costs tracing only), then timed in interleaved
-  rounds (`benchmarks.measure.interleaved`); medians.
+  rounds (`benchmarks.measure.interleaved`); medians. With --together, every workload's
+  strategies in the same rounds: autocast on `gpt` against the hand-written `gpt_bf16`.
 Progress goes to stderr, the table to stdout, everything to the JSON file (--out).
 """
 from __future__ import annotations
@@ -41,6 +42,9 @@ flags.DEFINE_list("workloads", ["gpt"], "Workloads of the suite to run (globs al
 flags.DEFINE_list("strategies", None, "Strategies (default: those of the compile-only target tables).")
 flags.DEFINE_integer("steps", 10, "Steps each strategy's own process runs (after two warm-up steps).")
 flags.DEFINE_integer("rounds", 10, "Interleaved timing rounds (0: report only each process's own median).")
+flags.DEFINE_bool("together", False, "Time every workload's strategies in the same interleaved rounds (else each "
+                  "workload's apart): to compare autocast on a model with its hand-written 16-bit version "
+                  "(`gpt` with `gpt_bf16`).")
 flags.DEFINE_string("out", "benchmarks/results/on_device.json", "Where to write the JSON results.")
 flags.DEFINE_string("child", None, "Internal: run one strategy of one workload, given as JSON.")
 
@@ -119,32 +123,41 @@ def _run_child(spec: dict, env: dict) -> dict:
     return json.loads(lines[-1])
 
 
-def _interleaved(workload: Any, strategies: Sequence[str], rounds: int) -> dict[str, float]:
+def _interleaved(pairs: Sequence[tuple[Any, str]], rounds: int) -> dict[tuple[str, str], float]:
+    """Median step time of each (workload, strategy) pair, all timed in the same
+    interleaved rounds; keyed by (workload name, strategy)."""
     from benchmarks.measure import interleaved, time_steps
     steps = {}
-    for s in strategies:
+    for workload, s in pairs:
         try:
             compiled = _compiled_step(s, workload)
         except Exception as e:  # reported by its own process already
-            log(f"  {s}: not timed ({type(e).__name__})")
+            log(f"  {workload.name} / {s}: not timed ({type(e).__name__})")
             continue
-        step = (lambda c: lambda: c(workload.params, workload.batch))(compiled)
+        step = (lambda c, w: lambda: c(w.params, w.batch))(compiled, workload)
         _block(step())
-        steps[s] = step
-    samples = interleaved({s: functools.partial(time_steps, f, _block, 1) for s, f in steps.items()}, rounds)
-    return {s: statistics.median(xs) for s, xs in samples.items()}
+        steps[(workload.name, s)] = step
+    samples = interleaved({k: functools.partial(time_steps, f, _block, 1) for k, f in steps.items()}, rounds)
+    return {k: statistics.median(xs) for k, xs in samples.items()}
 
 
 def format_rows(rows: Sequence[DeviceRow], header: str) -> str:
-    lines = [header, "", f"{'workload':10s} {'strategy':42s} {'alloc GB':>8s} {'vs fused':>8s} {'XLA GB':>7s} "
-                         f"{'ms':>7s} {'vs fused':>8s} {'own ms':>7s} {'GB moved':>8s} {'GFLOP':>8s}"]
+    """The table; where an autocast row's model has a hand-written 16-bit version among the
+    rows (`gpt_bf16` for `gpt`'s `autocast:bf16`), two more columns: its allocator peak and
+    step time over that model's fused step's (compare times timed together: --together)."""
+    from benchmarks.columns import AUTOCAST, hand_workload
     fused = {r.workload: r for r in rows if r.strategy == "fused"}
+    hand = {id(r): fused.get(hand_workload(r.workload, r.strategy)) for r in rows if r.strategy.startswith(AUTOCAST)}
+    mixed = any(hand.values())
+    lines = [header, "", f"{'workload':10s} {'strategy':42s} {'alloc GB':>8s} {'vs fused':>8s} {'XLA GB':>7s} "
+                         f"{'ms':>7s} {'vs fused':>8s} {'own ms':>7s} {'GB moved':>8s} {'GFLOP':>8s}"
+                         + (f" {'alloc/hand':>10s} {'ms/hand':>8s}" if mixed else "")]
 
     def num(x: float | None, scale: float, fmt: str = ".2f") -> str:
         return "-" if x is None else format(x / scale, fmt)
 
-    def ratio(a: float | None, b: float | None) -> str:
-        return f"{a / b:.2f}x" if a is not None and b else "-"
+    def ratio(a: float | None, b: float | None, digits: int = 2) -> str:
+        return f"{a / b:.{digits}f}x" if a is not None and b else "-"
     for r in rows:
         if r.error:
             lines.append(f"{r.workload:10s} {r.strategy:42s} failed: {r.error}")
@@ -156,7 +169,10 @@ def format_rows(rows: Sequence[DeviceRow], header: str) -> str:
                      f"{num(r.interleaved_median_s, 1e-3, '.1f'):>7s} "
                      f"{ratio(r.interleaved_median_s, base and base.interleaved_median_s):>8s} "
                      f"{num(r.own_median_s, 1e-3, '.1f'):>7s} {num(r.bytes_accessed, 1e9):>8s} "
-                     f"{num(r.flops, 1e9, '.0f'):>8s}")
+                     f"{num(r.flops, 1e9, '.0f'):>8s}"
+                     + (f" {ratio(r.allocator_peak, h and h.allocator_peak, 3):>10s} "
+                        f"{ratio(r.interleaved_median_s, h and h.interleaved_median_s, 3):>8s}"
+                        if mixed and (h := hand.get(id(r))) is not None else ""))
     return "\n".join(lines)
 
 
@@ -180,29 +196,33 @@ def main(argv: Sequence[str]) -> None:
     strategies = FLAGS.strategies or target_strategies()
     rows: list[DeviceRow] = []
     info: dict = {"messages": []}
-    for spec in specs:
-        found = []
-        for s in strategies:
-            why = not_applicable(s, spec.sizes)
-            if why is not None:
-                log(f"{spec.name} / {s}: not run: {why}")
-                info["messages"].append(f"{spec.name} / {s} not run: {why}")
-                continue
-            log(f"{spec.name} / {s}: own process")
-            r = _run_child({"workload": spec.name, "kind": spec.kind, "sizes": spec.sizes, "strategy": s,
-                            "steps": FLAGS.steps}, env)
-            info.update({k: r[k] for k in ("device_kind", "jax", "profile") if k in r})
-            log(f"  {r}")
-            found.append((s, r))
-            _write(rows + [_row(spec.name, s, r, {}) for s, r in found], info)  # partial results survive
-        medians: dict[str, float] = {}
+    found: dict[str, list[tuple[str, dict]]] = {}  # workload -> (strategy, its own process's result)
+    groups = [specs] if FLAGS.together else [[spec] for spec in specs]  # timed in the same rounds
+    for group in groups:
+        for spec in group:
+            found[spec.name] = []
+            for s in strategies:
+                why = not_applicable(s, spec.sizes)
+                if why is not None:
+                    log(f"{spec.name} / {s}: not run: {why}")
+                    info["messages"].append(f"{spec.name} / {s} not run: {why}")
+                    continue
+                log(f"{spec.name} / {s}: own process")
+                r = _run_child({"workload": spec.name, "kind": spec.kind, "sizes": spec.sizes, "strategy": s,
+                                "steps": FLAGS.steps}, env)
+                info.update({k: r[k] for k in ("device_kind", "jax", "profile") if k in r})
+                log(f"  {r}")
+                found[spec.name].append((s, r))
+                _write(rows + [_row(w, s, r, {}) for w in found for s, r in found[w]], info)  # partial results
+        medians: dict[tuple[str, str], float] = {}
         if FLAGS.rounds:
             import jax
             jax.config.update("jax_compilation_cache_dir", cache)
-            log(f"{spec.name}: interleaved timing, {FLAGS.rounds} rounds")
-            medians = _interleaved(build(spec.name, spec.kind, spec.sizes),
-                                   [s for s, r in found if "error" not in r], FLAGS.rounds)
-        rows += [_row(spec.name, s, r, medians) for s, r in found]
+            log(f"{', '.join(spec.name for spec in group)}: interleaved timing, {FLAGS.rounds} rounds")
+            built = {spec.name: build(spec.name, spec.kind, spec.sizes) for spec in group}
+            medians = _interleaved([(built[spec.name], s) for spec in group for s, r in found[spec.name]
+                                    if "error" not in r], FLAGS.rounds)
+        rows += [_row(spec.name, s, r, medians) for spec in group for s, r in found.pop(spec.name)]
         _write(rows, info)
     header = (f"Real step on {info.get('device_kind', '?')} (jax {info.get('jax', '?')}; aotgrad's device profile: "
               f"{info.get('profile', '?')}): allocator peak over the bytes in use before the step, "
@@ -211,9 +231,9 @@ def main(argv: Sequence[str]) -> None:
     print(format_rows(rows, header))
 
 
-def _row(workload: str, strategy: str, r: dict, medians: dict[str, float]) -> DeviceRow:
+def _row(workload: str, strategy: str, r: dict, medians: dict[tuple[str, str], float]) -> DeviceRow:
     return DeviceRow(workload, strategy, r.get("allocator_peak"), r.get("inputs"), r.get("xla_peak"),
-                     r.get("bytes_accessed"), r.get("flops"), r.get("own_median_s"), medians.get(strategy),
+                     r.get("bytes_accessed"), r.get("flops"), r.get("own_median_s"), medians.get((workload, strategy)),
                      r.get("compile_seconds"), r.get("error"))
 
 

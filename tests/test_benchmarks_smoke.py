@@ -225,6 +225,43 @@ def test_on_device_run_reports_each_strategy_and_continues_past_failures(tmp_pat
     assert "aotgrad:min_cut@0" in proc.stdout and "failed: " in proc.stdout
 
 
+HAND_SUITE = """
+description = "a model and its hand-written bfloat16 version"
+[[workloads]]
+name = "gpt"
+kind = "gpt"
+sizes = { batch = 2, seq = 8, d_model = 16, heads = 2, layers = 1, vocab = 32 }
+[[workloads]]
+name = "gpt_bf16"
+kind = "gpt"
+sizes = { batch = 2, seq = 8, d_model = 16, heads = 2, layers = 1, vocab = 32, dtype = "bfloat16" }
+"""
+
+
+def test_on_device_times_autocast_together_with_the_hand_written_model(tmp_path: Path) -> None:
+    """`benchmarks.on_device --together`: autocast on `gpt` and the hand-written `gpt_bf16`
+    timed in the same interleaved rounds, autocast's ratios to it in the table; autocast on
+    the hand-written model is not run, and the file says so."""
+    suite = tmp_path / "hand.toml"
+    suite.write_text(HAND_SUITE)
+    out = tmp_path / "on_device.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.on_device", f"--suite={suite}", f"--out={out}",
+                           "--workloads=gpt,gpt_bf16", "--strategies=fused,autocast:bf16@0", "--steps=1",
+                           "--rounds=1", "--together"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [(r["workload"], r["strategy"]) for r in data["rows"]] == [
+        ("gpt", "fused"), ("gpt", "autocast:bf16@0"), ("gpt_bf16", "fused")]
+    assert all(r["error"] is None and r["interleaved_median_s"] > 0 for r in data["rows"])
+    assert [m.split(" not run: ")[0] for m in data["info"]["messages"]] == ["gpt_bf16 / autocast:bf16@0"]
+    assert "gpt, gpt_bf16: interleaved timing" in proc.stderr  # one group of rounds
+    header, = [line for line in proc.stdout.splitlines() if line.startswith("workload")]
+    autocast, = [line for line in proc.stdout.splitlines() if "autocast:bf16@0" in line]
+    assert header.endswith("ms/hand") and re.search(r" \d+\.\d{3}x$", autocast), (header, autocast)
+
+
 def test_async_slices_are_counted_at_the_bytes_they_move() -> None:
     """XLA:TPU copies a weight into on-chip memory in four asynchronous slices, and XLA's
     cost analysis charges each the whole weight (a synchronous slice is charged its
