@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Union
 import numpy as np
 
 from aotgrad import jit_key
-from aotgrad.autocast.context import AutocastArgs, parse_device_type, parse_dtype  # the one autocast validator
+from aotgrad.autocast.context import AutocastArgs, parse_device_type, parse_dtype, parse_promotion  # the one autocast validator
 from aotgrad.errors import ConfigError
 from aotgrad.partition import PARTITIONERS  # the registry decides what is valid
 from aotgrad.partition.budget import Bytes, parse_bytes
@@ -118,7 +118,7 @@ def _optional_path(name: str) -> Callable[[Any], str | None]:
     return parse
 
 
-AUTOCAST_KEYS = ("device_type", "dtype", "enabled")
+AUTOCAST_KEYS = ("device_type", "dtype", "enabled", "promotion")
 # The value of `backward_pass_autocast`: a mode, or nested autocast contexts (their
 # arguments checked once, here).
 BackwardAutocast = Union[Literal["same_as_forward", "off"], tuple[AutocastArgs, ...]]
@@ -138,12 +138,13 @@ def _autocast_args(value: Any, where: str) -> AutocastArgs:
         device = value.get("device_type")
         device = None if device is None else parse_device_type(device, f"{where}['device_type']")
         dtype = parse_dtype(value.get("dtype"), f"{where}['dtype']")
+        promotion = parse_promotion(value.get("promotion"), f"{where}['promotion']")
     except ValueError as e:
         raise ConfigError(str(e)) from None
     enabled = value.get("enabled", True)
     if not isinstance(enabled, (bool, np.bool_)):
         raise ConfigError(f"{where}['enabled'] must be True or False; got {enabled!r}.")
-    return AutocastArgs(device, dtype, bool(enabled))
+    return AutocastArgs(device, dtype, bool(enabled), promotion)
 
 
 def _backward_pass_autocast(value: Any) -> BackwardAutocast:

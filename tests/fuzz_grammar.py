@@ -309,12 +309,30 @@ HAND_WRITTEN: dict[str, Callable[..., Any]] = {
 }
 
 
-def hand_written(program: "Program", device: str, dtype: str) -> Callable[..., Any]:
-    """`program` under `autocast(device, dtype)`, from `HAND_WRITTEN` (its ops only)."""
+# Which results are float32 because a table made them so (docs/autocast.md, "Promotion"):
+# the gpu table's fp32 ops. Under the "jax" promotion only such a value, or one computed
+# from it, wins over a 16-bit operand; the inputs and what is computed from them alone follow.
+_WIDE_ON_GPU = frozenset({"exp_bounded", "log1p_square", "sum"})
+_HALF = frozenset({jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)})
+
+
+def hand_written(program: "Program", device: str, dtype: str, promotion: str = "jax") -> Callable[..., Any]:
+    """`program` under `autocast(device, dtype, promotion=promotion)`, from `HAND_WRITTEN`
+    (its ops only)."""
     def run(*inputs: Any) -> Any:
-        values = list(inputs)
+        values, wide = list(inputs), [False] * len(inputs)
         for s in program.steps:
-            values.append(HAND_WRITTEN[s.op](*[values[i] for i in s.args], s.param, device, jnp.dtype(dtype)))
+            args, flags = [values[i] for i in s.args], [wide[i] for i in s.args]
+            dtypes = {a.dtype for a in args}
+            if promotion == "jax" and len(dtypes) > 1 and dtypes & _HALF and not any(
+                    f and a.dtype == jnp.float32 for a, f in zip(args, flags)):
+                half = next(d for d in dtypes if d in _HALF)  # a float32 input follows
+                args = [a.astype(half) if a.dtype == jnp.float32 else a for a in args]
+            out = HAND_WRITTEN[s.op](*args, s.param, device, jnp.dtype(dtype))
+            mixed = any(a.dtype in _HALF for a in args) and out.dtype == jnp.float32
+            values.append(out)
+            wide.append(out.dtype == jnp.float32 and (any(flags) or mixed
+                                                      or (device == "gpu" and s.op in _WIDE_ON_GPU)))
         outs = tuple(values[i] for i in program.outputs)
         return outs[0] if len(outs) == 1 else outs
     return run

@@ -347,13 +347,16 @@ def test_promote_is_the_join(a, b, want):
     assert out.dtype == want
 
 
-def test_explicit_promote_entries_join_inputs():
+@pytest.mark.parametrize("promotion, joined", [("torch", F32), ("jax", BF16)])
+def test_explicit_promote_entries_join_inputs(promotion, joined):
+    """PyTorch's promotion: the float32 input wins. The "jax" promotion: an input of the
+    function follows the 16-bit value it meets."""
     def f(x):
         y = x @ x  # bf16 after the rewrite; x stays float32
         return jnp.concatenate([y, x]), lax.select(x > 0, y, x), lax.atan2(y, y)
 
-    cat, sel, at = jax.eval_shape(aotgrad.autocast("cpu")(f), jnp.ones((3, 3)))
-    assert (cat.dtype, sel.dtype, at.dtype) == (F32, F32, BF16)
+    cat, sel, at = jax.eval_shape(aotgrad.autocast("cpu", promotion=promotion)(f), jnp.ones((3, 3)))
+    assert (cat.dtype, sel.dtype, at.dtype) == (joined, joined, BF16)
 
 
 def test_bf16_plus_fp16_promotes_to_fp32_inside_a_table_op():
@@ -417,10 +420,25 @@ def _params(key, sizes=(16, 32, 32, 8)):
     return [(jax.random.normal(k, (m, n)) / np.sqrt(m), jnp.zeros(n)) for k, m, n in zip(keys, sizes, sizes[1:])]
 
 
+def _same_as_by_hand(f, by_hand, plain, params, x):
+    """`f` (the autocast transform of `plain`) equals `by_hand` under jit, grad and vmap,
+    with float32 gradients, and is near `plain`'s float32 value."""
+    np.testing.assert_allclose(jax.jit(f)(params, x), jax.jit(by_hand)(params, x), rtol=1e-6)
+    g1, g2 = jax.grad(f)(params, x), jax.grad(by_hand)(params, x)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        assert a.dtype == F32
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    batched = jax.vmap(f, in_axes=(None, 0))(params, x[None].repeat(2, 0))
+    np.testing.assert_allclose(batched, f(params, x) * np.ones(2), rtol=1e-6)
+    np.testing.assert_allclose(f(params, x), plain(params, x), rtol=3e-2)
+
+
 def test_transform_matches_jax_on_the_same_casts_under_jit_grad_vmap():
+    """PyTorch's promotion, written out by hand: the bias adds and everything after them in
+    float32."""
     params = _params(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (8, 16))
-    f = aotgrad.autocast("gpu", dtype=BF16)(_mlp)
+    f = aotgrad.autocast("gpu", dtype=BF16, promotion="torch")(_mlp)
 
     def by_hand(params, x):  # the same policy written out: matmuls in bf16, rest as the gpu table
         for w, b in params[:-1]:
@@ -430,17 +448,39 @@ def test_transform_matches_jax_on_the_same_casts_under_jit_grad_vmap():
         h = jnp.matmul(x.astype(BF16), w.astype(BF16), preferred_element_type=BF16).astype(F32) + b
         return jax.nn.log_softmax(h).mean()
 
-    np.testing.assert_allclose(jax.jit(f)(params, x), jax.jit(by_hand)(params, x), rtol=1e-6)
-    g1, g2 = jax.grad(f)(params, x), jax.grad(by_hand)(params, x)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
-        assert a.dtype == F32
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    batched = jax.vmap(f, in_axes=(None, 0))(params, x[None].repeat(2, 0))
-    np.testing.assert_allclose(batched, f(params, x) * np.ones(2), rtol=1e-6)
-    np.testing.assert_allclose(f(params, x), _mlp(params, x), rtol=3e-2)
+    _same_as_by_hand(f, by_hand, _mlp, params, x)
 
 
-def test_control_flow_keeps_declared_carry_and_branch_dtypes():
+def _mse_mlp(params, x):
+    for w, b in params[:-1]:
+        x = jax.nn.gelu(x @ w + b)
+    w, b = params[-1]
+    return jnp.mean(jnp.square(x @ w + b))
+
+
+def test_jax_promotion_matches_a_hand_written_16_bit_model_under_jit_grad_vmap():
+    """The default ("jax") promotion, written out as a JAX user writes a bfloat16 model:
+    each float32 weight and bias cast at its use, activations in bfloat16 between layers,
+    the gpu table's reduction in float32. Same values and gradients, float32 gradients."""
+    params = _params(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    f = aotgrad.autocast("gpu", dtype=BF16)(_mse_mlp)
+
+    def by_hand(params, x):
+        x = x.astype(BF16)
+        for w, b in params[:-1]:
+            x = jax.nn.gelu(jnp.matmul(x, w.astype(BF16), preferred_element_type=BF16) + b.astype(BF16))
+        w, b = params[-1]
+        h = jnp.matmul(x, w.astype(BF16), preferred_element_type=BF16) + b.astype(BF16)
+        return jnp.sum(jnp.square(h).astype(F32)) / h.size
+
+    _same_as_by_hand(f, by_hand, _mse_mlp, params, x)
+    hidden = [e for e in jax.make_jaxpr(f)(params, x).eqns if e.primitive is P.tanh_p]  # inside each gelu
+    assert hidden and all(e.outvars[0].aval.dtype == BF16 for e in hidden)
+
+
+@pytest.mark.parametrize("promotion, ys_dtype", [("torch", F32), ("jax", BF16)])
+def test_control_flow_keeps_declared_carry_and_branch_dtypes(promotion, ys_dtype):
     w = jnp.eye(4) * 0.5
 
     def f(x, w):
@@ -454,15 +494,18 @@ def test_control_flow_keeps_declared_carry_and_branch_dtypes():
         return c, ys
 
     x = jnp.ones((4,))
-    g = aotgrad.autocast("cpu")(f)
+    g = aotgrad.autocast("cpu", promotion=promotion)(f)
     c, ys = g(x, w)
-    assert c.dtype == BF16 and ys.dtype == F32  # ys: the carry, declared float32
+    # ys: the body's outputs, `tanh(c @ w) + xs`: float32 under PyTorch's promotion (xs, a
+    # slice of an input, wins), bfloat16 under "jax" (xs follows)
+    assert c.dtype == BF16 and ys.dtype == ys_dtype
     closed = jax.make_jaxpr(g)(x, w)
     assert all(s == {np.dtype(BF16)} for s in float_in_dtypes(closed, P.dot_general_p))
     for prim in (P.scan_p, P.while_p, P.cond_p):
         (e,) = [e for e in closed.jaxpr.eqns if e.primitive is prim]
         # The loop carries and branch outputs keep their declared float32 ...
-        assert all(v.aval.dtype == F32 for v in e.outvars if jnp.issubdtype(v.aval.dtype, jnp.floating)), prim
+        kept = e.outvars[:e.params["num_carry"]] if prim is P.scan_p else e.outvars
+        assert all(v.aval.dtype == F32 for v in kept if jnp.issubdtype(v.aval.dtype, jnp.floating)), prim
     (cond,) = [e for e in closed.jaxpr.eqns if e.primitive is P.cond_p]
     for branch in cond.params["branches"]:
         assert [v.aval.dtype for v in branch.jaxpr.outvars] == [F32]
@@ -521,7 +564,8 @@ def _fp32_op(device):
     return jnp.exp if device != "cpu" else (lambda a: jnp.prod(a, axis=0, keepdims=True))
 
 
-# (policy class, helper op per device, whether `h + op(x)` stays 16-bit); h is 16-bit.
+# (policy class, helper op per device, whether `h + op(x)` stays 16-bit under PyTorch's
+# promotion); h is 16-bit. Under the "jax" promotion only the fp32 policy's result is wide.
 _HELPER_OPS = {
     "lower_precision_fp": (lambda device: lambda a: a @ a, True),
     "fp32": (_fp32_op, False),
@@ -530,14 +574,17 @@ _HELPER_OPS = {
 }
 
 
+@pytest.mark.parametrize("promotion", ["torch", "jax"])
 @pytest.mark.parametrize("device", ["cpu", "gpu", "tpu"])
 @pytest.mark.parametrize("policy", list(_HELPER_OPS))
-def test_a_helper_promotes_the_same_plain_or_jitted(device, policy):
+def test_a_helper_promotes_the_same_plain_or_jitted(device, policy, promotion):
     """The promotion of a helper's result does not depend on whether the helper is wrapped in
-    `jax.jit`: a value computed from an input is strongly typed (float32 wins over the
-    16-bit matmul result), a value built from literals alone follows the other operand.
-    The helper ends with a constant, so a flag left over from its last equation shows."""
+    `jax.jit`: under PyTorch's promotion a value computed from an input is strongly typed
+    (float32 wins over the 16-bit matmul result); under "jax" it follows, unless the fp32
+    policy made it; a value built from literals alone follows under both. The helper ends
+    with a constant, so a flag left over from its last equation shows."""
     make, stays_16_bit = _HELPER_OPS[policy]
+    stays_16_bit = stays_16_bit or (promotion == "jax" and policy != "fp32")
     op = make(device)
 
     def helper(x):
@@ -555,7 +602,7 @@ def test_a_helper_promotes_the_same_plain_or_jitted(device, policy):
     x = w.T * 0.5
     results = {}
     for name, call in (("plain", helper), ("jit", jax.jit(helper)), ("nested jit", jax.jit(jax.jit(helper)))):
-        out, const = aotgrad.autocast(device, dtype)(body(call))(w, x)
+        out, const = aotgrad.autocast(device, dtype, promotion=promotion)(body(call))(w, x)
         assert out.dtype == (dtype if stays_16_bit else F32), (name, out.dtype)
         assert const.dtype == dtype, (name, const.dtype)
         results[name] = out

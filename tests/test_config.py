@@ -47,6 +47,7 @@ def test_unknown_option_lists_valid_names():
     ("backward_pass_autocast", {"device_type": "npu"}, r"\['device_type'\]: device_type must be one of.*'npu'"),
     ("backward_pass_autocast", {"dtyp": "float16"}, r"unknown keys \['dtyp'\]"),
     ("backward_pass_autocast", {"enabled": 1}, r"\['enabled'\] must be True or False"),
+    ("backward_pass_autocast", {"promotion": "numpy"}, r"\['promotion'\]: promotion must be one of \['jax', 'torch'\]"),
     ("backward_pass_autocast", [], "non-empty list"),
     ("backward_pass_autocast", [{"dtype": "bfloat16"}, "off"], r"\[1\] must be a dict"),
 ])
@@ -83,7 +84,7 @@ def test_snapshot_has_one_typed_field_per_option():
     # The keyed part is hashable and equal when the options are; an export records plain values.
     assert hash(snap.key) == hash(dataclasses.replace(snap, cache_size_limit=5).key)
     assert snap.as_dict()["backward_pass_autocast"] == ((("device_type", None), ("dtype", "bfloat16"),
-                                                         ("enabled", True)),)
+                                                         ("enabled", True), ("promotion", None)),)
     # A value read back from a snapshot is accepted again as it is.
     with aotgrad.config.patch(backward_pass_autocast=snap.backward_pass_autocast):
         assert aotgrad.config.backward_pass_autocast == snap.backward_pass_autocast

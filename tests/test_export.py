@@ -176,7 +176,7 @@ def test_config_and_autocast_are_recorded():
     with aotgrad.config.patch(partitioner="vjp"), aotgrad.autocast("cpu", dtype=jnp.bfloat16):
         loaded = aotgrad.deserialize(aotgrad.export(p.fn, *args).serialize())
     assert loaded.config["partitioner"] == "vjp"
-    assert loaded.autocast == {"device_type": "cpu", "dtype": "bfloat16"}
+    assert loaded.autocast == {"device_type": "cpu", "dtype": "bfloat16", "promotion": "jax"}
     assert loaded.platforms == (jax.export.default_export_platform(),)
 
 

@@ -206,6 +206,7 @@ class AutocastState:
     dtype: str = "float32"  # the autocast dtype ("float16" / "bfloat16"); float32 when off
     # "same_as_forward", "off", or a dict of autocast kwargs (not hashed: a dict)
     backward: Any = dataclasses.field(default="same_as_forward", hash=False)
+    promotion: str = "jax"
 
     @property
     def on(self) -> bool:
@@ -215,12 +216,12 @@ class AutocastState:
         stack = contextlib.ExitStack()
         stack.enter_context(aotgrad.config.patch(backward_pass_autocast=self.backward))
         if self.on:
-            stack.enter_context(aotgrad.autocast(self.device_type, dtype=self.dtype))
+            stack.enter_context(aotgrad.autocast(self.device_type, dtype=self.dtype, promotion=self.promotion))
         return stack
 
     def transform(self, fn: Callable) -> Callable:
         """`fn` as JAX sees the mixed-precision program: the autocast decorator."""
-        return aotgrad.autocast(self.device_type, dtype=self.dtype)(fn) if self.on else fn
+        return aotgrad.autocast(self.device_type, dtype=self.dtype, promotion=self.promotion)(fn) if self.on else fn
 
     def backward_table(self) -> tuple[str, np.dtype] | None:
         """The (device type, dtype) whose table the backward's own equations follow; None
@@ -234,7 +235,8 @@ class AutocastState:
     def __repr__(self) -> str:  # what a failing example prints
         if not self.on:
             return "AutocastState()"
-        return f"AutocastState({self.device_type!r}, {self.dtype!r}, {self.backward!r})"
+        extra = "" if self.promotion == "jax" else f", promotion={self.promotion!r}"
+        return f"AutocastState({self.device_type!r}, {self.dtype!r}, {self.backward!r}{extra})"
 
 
 AUTOCAST_STATES = (
@@ -243,6 +245,8 @@ AUTOCAST_STATES = (
     AutocastState("cpu", "bfloat16", "off"),
     AutocastState("gpu", "float16", "same_as_forward"),
     AutocastState("gpu", "float16", "off"),
+    AutocastState("cpu", "bfloat16", "same_as_forward", promotion="torch"),
+    AutocastState("gpu", "float16", "off", promotion="torch"),
     # a float16 forward with a bfloat16 backward under the cpu table
     AutocastState("gpu", "float16", {"device_type": "cpu", "dtype": "bfloat16"}),
 )
@@ -448,7 +452,7 @@ _HAND_STATES = [s for s in AUTOCAST_STATES if s.on and s.backward in ("off", "sa
 
 def check_against_hand_written(program: Program, seed: int, path: str, state: AutocastState) -> None:
     fn, args = program.fn(), program.args(seed)
-    reference = hand_written(program, state.device_type, state.dtype)
+    reference = hand_written(program, state.device_type, state.dtype, state.promotion)
     cts = cotangents(jax.eval_shape(reference, *args), seed)
     want_out, want_grads = jax.jit(lambda a, c: (lambda o, f: (o, f(c)))(*jax.vjp(reference, *a)))(args, cts)
     if not all_finite((want_out, want_grads)):

@@ -19,7 +19,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "partition.zeros", "partition.shards", "partition.schedule", "provenance", "trace"),
     "passes": ("partition", "partition.split", "partition.boundaries", "partition.fusion", "partition.peak", "partition.traffic", "partition.budget",
                "partition.vjp", "partition.scan", "partition.min_cut",
-               "autocast", "autocast.context", "autocast.policy", "autocast.counts", "autocast.rewrite",
+               "autocast", "autocast.context", "autocast.policy", "autocast.counts", "autocast.bodies", "autocast.rewrite",
                "autocast.transform"),
     "pipeline": ("config", "compilation_cache", "pipeline"),
     "runtime": ("hooks", "anomaly", "runtime", "entry"),

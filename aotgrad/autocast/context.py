@@ -20,14 +20,19 @@ import numpy as np
 from aotgrad import jit_key
 from aotgrad._jax_internals import name_scopes
 
-__all__ = ["DEFAULT_DTYPES", "DEVICE_TYPES", "DTYPES", "MARKERS", "STATE", "AutocastArgs", "AutocastState", "Setting",
-           "current_setting", "current_state", "parse_device_type", "parse_dtype", "setting_inside",
-           "setting_of"]
+__all__ = ["DEFAULT_DTYPES", "DEVICE_TYPES", "DTYPES", "MARKERS", "PROMOTIONS", "STATE", "AutocastArgs", "AutocastState",
+           "Setting", "current_setting", "current_state", "parse_device_type", "parse_dtype", "parse_promotion",
+           "setting_inside", "setting_of"]
 
 DEVICE_TYPES = ("cpu", "gpu", "tpu")
 DEVICE_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
 DTYPES = ("float16", "bfloat16")
 DEFAULT_DTYPES = {"cpu": "bfloat16", "gpu": "float16", "tpu": "bfloat16"}
+# How an op whose floating inputs disagree is promoted (docs/autocast.md, "Promotion"):
+# "jax": float32 inputs of the function, constants and what is computed from them alone follow
+# the 16-bit values they meet (as a Flax layer's `dtype=` casts its parameters); float32 made
+# by the fp32 policy, or by an explicit cast up, still wins. "torch": float32 always wins.
+PROMOTIONS = ("jax", "torch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +40,7 @@ class Setting:
     """What casting is in force: the policy table of `device_type`, lowering to `dtype`."""
     device_type: str
     dtype: str  # "float16" or "bfloat16"
+    promotion: str = "jax"  # one of PROMOTIONS
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -42,16 +48,18 @@ class Setting:
 
     @property
     def marker(self) -> str:
-        return f"autocast[{self.device_type},{self.dtype}]"
+        suffix = "" if self.promotion == "jax" else f",{self.promotion}"
+        return f"autocast[{self.device_type},{self.dtype}{suffix}]"
 
     def __str__(self) -> str:
-        return f"autocast({self.device_type!r}, dtype={self.dtype})"
+        suffix = "" if self.promotion == "jax" else f", promotion={self.promotion!r}"
+        return f"autocast({self.device_type!r}, dtype={self.dtype}{suffix})"
 
 
 OFF_MARKER = "autocast[off]"
 # Every marker a name stack can carry, and the setting it stands for (None: disabled).
 MARKERS: dict[str, Setting | None] = {OFF_MARKER: None}
-MARKERS.update({Setting(d, t).marker: Setting(d, t) for d in DEVICE_TYPES for t in DTYPES})
+MARKERS.update({Setting(d, t, p).marker: Setting(d, t, p) for d in DEVICE_TYPES for t in DTYPES for p in PROMOTIONS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,15 +68,19 @@ class AutocastState:
     each device type (what `dtype=None` inherits)."""
     setting: Setting | None = None  # None: no casting
     dtypes: tuple[tuple[str, str], ...] = ()  # (device_type, dtype) chosen by enclosing contexts
+    promotion: str = "jax"  # chosen by the innermost context that named one
 
     def dtype_for(self, device_type: str) -> str:
         return dict(self.dtypes).get(device_type, DEFAULT_DTYPES[device_type])
 
-    def enter(self, device_type: str, dtype: str | None, enabled: bool) -> "AutocastState":
-        """The state inside a context `autocast(device_type, dtype, enabled)`."""
+    def enter(self, device_type: str, dtype: str | None, enabled: bool,
+              promotion: str | None = None) -> "AutocastState":
+        """The state inside a context `autocast(device_type, dtype, enabled, promotion)`;
+        `dtype` and `promotion` None inherit the enclosing contexts'."""
         chosen = dtype or self.dtype_for(device_type)
         dtypes = tuple(sorted({**dict(self.dtypes), device_type: chosen}.items()))
-        return AutocastState(Setting(device_type, chosen) if enabled else None, dtypes)
+        promotion = promotion or self.promotion
+        return AutocastState(Setting(device_type, chosen, promotion) if enabled else None, dtypes, promotion)
 
 
 # The thread's state; only the `autocast` context (`autocast.transform`) sets it.
@@ -128,6 +140,14 @@ def parse_dtype(dtype: Any, who: str = "aotgrad.autocast") -> str | None:
                      f"context's dtype for the device, else the device default); got {dtype!r}.")
 
 
+def parse_promotion(promotion: Any, who: str = "aotgrad.autocast") -> str | None:
+    """The one check of an autocast promotion rule: `None` (inherit) or one of PROMOTIONS."""
+    if promotion is None or (isinstance(promotion, str) and promotion in PROMOTIONS):
+        return promotion
+    raise ValueError(f"{who}: promotion must be one of {list(PROMOTIONS)} (or None to inherit the enclosing "
+                     f"context's, else 'jax'); got {promotion!r}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class AutocastArgs:
     """The checked arguments of one `autocast(device_type, dtype, enabled)` context, as
@@ -136,11 +156,12 @@ class AutocastArgs:
     device_type: str | None = None  # None: the default backend, found when entered
     dtype: str | None = None  # None: the enclosing context's dtype for the device, else its default
     enabled: bool = True
+    promotion: str | None = None  # None: the enclosing context's, else "jax"
 
 
 def setting_inside(contexts: Sequence[AutocastArgs]) -> Setting | None:
     """The setting inside these nested contexts, entered in order from a fresh state."""
     state = AutocastState()
     for c in contexts:
-        state = state.enter(c.device_type or parse_device_type(None), c.dtype, c.enabled)
+        state = state.enter(c.device_type or parse_device_type(None), c.dtype, c.enabled, c.promotion)
     return state.setting

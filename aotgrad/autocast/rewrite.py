@@ -2,7 +2,7 @@
 (so every dtype stays exact), casting inputs as the device's policy table says.
 
 Per-primitive behaviour lives in two tables: `policy.TABLES` (which casts an op gets)
-and `STRUCTURAL` here (how bodies of calls, loops, branches and custom-derivative
+and `bodies.STRUCTURAL` (how bodies of calls, loops, branches and custom-derivative
 functions are rewritten). Everything else is bound as it is, after promoting floating
 inputs that now disagree. Control flow keeps its carries and branch outputs in their
 declared dtypes; `custom_vjp` functions keep their declared inputs, outputs and
@@ -20,15 +20,17 @@ import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var
 
-from aotgrad._jax_internals import bind_eqn, eqn_context, name_scopes, scan_params, wrap_like
+from aotgrad._jax_internals import bind_eqn, name_scopes
+from aotgrad.autocast.bodies import STRUCTURAL, constant_flags, constant_vars
 from aotgrad.autocast.context import MARKERS, Setting, setting_of
 from aotgrad.autocast.counts import CastCounts as CastCounts
 from aotgrad.autocast.policy import ACCUMULATE_FP32, ACCUMULATING, FP32, LOWER, POLICIES, PROMOTE, policy_for
-from aotgrad.interpret import CALL_BODIES, body_of, eval_jaxpr, sub_jaxprs
+from aotgrad.interpret import eval_jaxpr, sub_jaxprs
 
-__all__ = ["RESTORE", "CastCounts", "Rewriter", "has_markers", "rewrite_backward"]
+__all__ = ["FOLLOW", "RESTORE", "CastCounts", "Rewriter", "has_markers", "rewrite_backward"]
 
 RESTORE = "restore"  # a cast back to a declared dtype: loop carries, branch outputs, gradients
+FOLLOW = "follow"  # a float32 input or constant cast down to the 16-bit value it meets ("jax" promotion)
 _ELIGIBLE = frozenset(np.dtype(d) for d in (jax.numpy.float16, jax.numpy.bfloat16, jax.numpy.float32))
 _F32 = np.dtype(np.float32)
 _HALF = frozenset(np.dtype(d) for d in (jax.numpy.float16, jax.numpy.bfloat16))
@@ -37,7 +39,7 @@ _NO_PROMOTE = frozenset({P.sort_p})  # operands of different dtypes are legal an
 
 
 def ordered(counts: collections.Counter) -> tuple[tuple[str, int], ...]:
-    order = POLICIES + (ACCUMULATE_FP32, RESTORE)
+    order = POLICIES + (FOLLOW, ACCUMULATE_FP32, RESTORE)
     return tuple((p, counts[p]) for p in order if counts[p])
 
 
@@ -46,10 +48,37 @@ def _aval(x: Any) -> Any:
 
 
 class Rewriter:
-    """Evaluates jaxprs under autocast settings, counting the casts it inserts."""
+    """Evaluates jaxprs under autocast settings, counting the casts it inserts.
 
-    def __init__(self) -> None:
+    It also tracks which float32 values are *wide*: made float32 by the fp32 policy, by a
+    promotion, or by an explicit cast up from 16 bits (and what is computed from them).
+    Under the "jax" promotion only a wide value makes a mixed op float32; the function's
+    inputs, constants and values computed from them alone follow the 16-bit operand.
+    `follow=False` treats every float32 value as wide (PyTorch's promotion), as the
+    backward's rewrite does: its dtypes were settled by the forward's casts.
+    """
+
+    def __init__(self, follow: bool = True) -> None:
         self.counts: collections.Counter = collections.Counter()
+        self.follow = follow
+        self._wide: dict[int, Any] = {}  # id -> value (held, so the id is not reused)
+
+    # ---------------------------------------------------------------- wide values
+
+    def is_wide(self, x: Any) -> bool:
+        return not self.follow or id(x) in self._wide
+
+    def mark_wide(self, xs: Sequence[Any], flags: Sequence[bool] | None = None) -> None:
+        """Marks the float32 values among `xs` (those whose flag is set) wide."""
+        if not self.follow:
+            return
+        for i, x in enumerate(xs):
+            if (flags is None or flags[i]) and _is_f32(x):
+                self._wide[id(x)] = x
+
+    def inherit(self, inner: Sequence[Any], outer: Sequence[Any]) -> None:
+        """A body's fresh inputs are wide where the values they stand for are."""
+        self.mark_wide(inner, [self.is_wide(x) for x in outer])
 
     # ---------------------------------------------------------------- casting
 
@@ -72,7 +101,7 @@ class Rewriter:
         constant = constant_vars(jaxpr, constant_args)
 
         def bind(eqn: JaxprEqn, invals: list) -> list:
-            return self.eqn(eqn, invals, setting_of(eqn, default), _flags(eqn, constant))
+            return self.eqn(eqn, invals, setting_of(eqn, default), constant_flags(eqn, constant))
         return eval_jaxpr(jaxpr, consts, args, bind=bind)
 
     def eval_closed(self, closed: ClosedJaxpr, args: Sequence[Any], default: Setting | None) -> list[Any]:
@@ -93,13 +122,22 @@ class Rewriter:
         """One primitive: the policy's casts, then promotion of disagreeing floating inputs;
         a summing reduction left with a 16-bit input accumulates in float32."""
         policy = policy_for(setting.device_type, eqn.primitive, eqn.params) if setting else None
+        # float32 results are wide when the policy, a wide input or a 16-bit input made them so
+        widens = policy == FP32 or any(self.is_wide(x) or _aval_of(x, a).dtype in _HALF
+                                       for x, a in zip(invals, eqn.invars, strict=True))
         vals = list(invals)
         if policy in (LOWER, FP32):
             target = setting.np_dtype if policy == LOWER else _F32
             vals = [self._to(x, atom, target, policy) if _aval_of(x, atom).dtype in _ELIGIBLE else x
                     for x, atom in zip(vals, eqn.invars, strict=True)]
         if eqn.primitive not in _NO_PROMOTE:
-            vals = self._promote(eqn, vals, constant)
+            vals = self._promote(eqn, vals, constant, setting)
+        outs = self._bind(eqn, vals, policy, setting)
+        if widens:
+            self.mark_wide(outs)
+        return outs
+
+    def _bind(self, eqn: JaxprEqn, vals: list[Any], policy: str | None, setting: Setting | None) -> list[Any]:
         params = _adjust_params(eqn, vals, policy, setting)
         if params is not eqn.params:
             eqn = eqn.replace(params=params)
@@ -122,26 +160,33 @@ class Rewriter:
             return np.asarray(x, dtype) if _aval_of(x, atom).dtype != dtype else x
         return self.cast(x, dtype, why)
 
-    def _promote(self, eqn: JaxprEqn, vals: list[Any], constant: Sequence[bool]) -> list[Any]:
+    def _promote(self, eqn: JaxprEqn, vals: list[Any], constant: Sequence[bool],
+                 setting: Setting | None) -> list[Any]:
         """Casts floating inputs to the join of their types; weakly typed values and
-        constants follow the others, as in JAX's own promotion."""
+        constants follow the others, as in JAX's own promotion. Under the "jax" promotion,
+        float32 values that are not wide follow the 16-bit ones too."""
         avals = [_aval_of(x, a) for x, a in zip(vals, eqn.invars, strict=True)]
         floats = [i for i, a in enumerate(avals) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating)]
         if len({avals[i].dtype for i in floats}) < 2:
             return vals
         strong = [i for i in floats if not (avals[i].weak_type or isinstance(eqn.invars[i], Literal)
                                             or constant[i])]
-        join = functools.reduce(jax.numpy.promote_types, [avals[i].dtype for i in (strong or floats)])
+        deciding, why = strong or floats, PROMOTE
+        if setting is not None and setting.promotion == "jax":
+            halves = [i for i in deciding if avals[i].dtype in _HALF]
+            if halves and not any(avals[i].dtype == _F32 and self.is_wide(vals[i]) for i in deciding):
+                deciding, why = halves, FOLLOW
+        join = functools.reduce(jax.numpy.promote_types, [avals[i].dtype for i in deciding])
         out = list(vals)
         for i in floats:
             if avals[i].dtype != join and avals[i].dtype in _ELIGIBLE:
-                out[i] = self._to(vals[i], eqn.invars[i], np.dtype(join), PROMOTE)
+                cast_why = FOLLOW if why == FOLLOW and avals[i].dtype == _F32 else PROMOTE
+                out[i] = self._to(vals[i], eqn.invars[i], np.dtype(join), cast_why)
         return out
 
 
-def _flags(eqn: JaxprEqn, constant: set[Var]) -> list[bool]:
-    """Which inputs of `eqn` are built from literals alone."""
-    return [isinstance(v, Literal) or v in constant for v in eqn.invars]
+def _is_f32(x: Any) -> bool:
+    return hasattr(x, "dtype") and np.dtype(x.dtype) == _F32
 
 
 def _aval_of(x: Any, atom: Any) -> Any:
@@ -194,162 +239,6 @@ def _scatter_kwargs(params: dict) -> dict:
     return {k: params[k] for k in ("dimension_numbers", "indices_are_sorted", "unique_indices", "mode")}
 
 
-# ----------------------------------------------------------------------------- structural rules
-
-# (rewriter, equation, input values, setting, which inputs are constant) -> output values
-Rule = Callable[[Rewriter, JaxprEqn, list, "Setting | None", Sequence[bool]], list]
-
-
-def _inline(param: str) -> Rule:
-    """Calls (`jit`, `closed_call`): the body is evaluated in place, under the call's scopes."""
-    def rule(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
-             constant: Sequence[bool]) -> list:
-        with eqn_context(eqn):
-            return rw.eval_jaxpr(*body_of(eqn, param), invals, setting, constant)
-    return rule
-
-
-def _remat(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
-           constant: Sequence[bool]) -> list:
-    p = eqn.params
-    body = functools.partial(rw.eval_jaxpr, p["jaxpr"], (), default=setting, constant_args=constant)
-    with eqn_context(eqn):
-        return list(jax.checkpoint(lambda *xs: body(xs), prevent_cse=p["prevent_cse"],
-                                   policy=p["policy"])(*invals))
-
-
-def _scan(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
-          constant: Sequence[bool]) -> list:
-    p = scan_params(eqn)
-    nc, ncar = p.n_consts, p.n_carry
-    consts, init, xs = invals[:nc], invals[p.carries], invals[nc + ncar:]
-    dtypes = [v.aval.dtype for v in eqn.invars[p.carries]]
-
-    def step(carry: list, x: list) -> tuple[list, list]:
-        outs = rw.eval_closed(p.body, [*consts, *carry, *x], setting)
-        return [rw.restore(c, d) for c, d in zip(outs[:ncar], dtypes, strict=True)], outs[ncar:]
-
-    with eqn_context(eqn):
-        carry, ys = lax.scan(step, [rw.restore(c, d) for c, d in zip(init, dtypes, strict=True)], xs,
-                             length=p.length, reverse=p.reverse, unroll=p.unroll)
-    return [*carry, *ys]
-
-
-def _while(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
-           constant: Sequence[bool]) -> list:
-    p = eqn.params
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    cconsts, bconsts, init = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
-    dtypes = [v.aval.dtype for v in eqn.invars[cn + bn:]]
-
-    def cond(carry: list) -> Any:
-        return rw.eval_closed(p["cond_jaxpr"], [*cconsts, *carry], setting)[0]
-
-    def body(carry: list) -> list:
-        outs = rw.eval_closed(p["body_jaxpr"], [*bconsts, *carry], setting)
-        return [rw.restore(c, d) for c, d in zip(outs, dtypes, strict=True)]
-
-    with eqn_context(eqn):
-        return list(lax.while_loop(cond, body, [rw.restore(c, d) for c, d in zip(init, dtypes, strict=True)]))
-
-
-def _cond(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
-          constant: Sequence[bool]) -> list:
-    index, ops = invals[0], invals[1:]
-    dtypes = [v.aval.dtype for v in eqn.outvars]
-
-    def branch(closed: ClosedJaxpr, *xs: Any) -> list:
-        return [rw.restore(o, d) for o, d in zip(rw.eval_closed(closed, xs, setting), dtypes, strict=True)]
-
-    with eqn_context(eqn):
-        return list(lax.switch(index, [functools.partial(branch, b) for b in eqn.params["branches"]], *ops))
-
-
-def _custom_jvp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
-                constant: Sequence[bool]) -> list:
-    """The function and its JVP rule are both rewritten (under differentiation JAX runs the
-    rule, not the function), re-traced at the inputs' new types."""
-    p = eqn.params
-    in_avals = [_aval(x).strip_weak_type() for x in invals]
-    call = jax.make_jaxpr(lambda *xs: rw.eval_closed(p["call_jaxpr"], xs, setting))(*in_avals)
-    out_dtypes = [a.dtype for a in call.out_avals]
-    primal_avals = in_avals[p["num_consts"]:]
-    old_jvp = p["jvp_jaxpr_fun"]
-
-    def jvp_jaxpr_fun(*zeros: bool) -> tuple[Any, Any, Any]:
-        jaxpr, consts, out_zeros = old_jvp.call_wrapped(*zeros)
-        tangent_avals = [a.to_tangent_aval() for a, z in zip(primal_avals, zeros, strict=True) if not z]
-        tangent_dtypes = [d for d, z in zip(out_dtypes, out_zeros, strict=True) if not z]
-
-        def run(*args: Any) -> list:
-            outs = rw.eval_jaxpr(jaxpr, consts, args, setting)
-            primals, tangents = outs[:len(out_dtypes)], outs[len(out_dtypes):]
-            return ([rw.restore(o, d) for o, d in zip(primals, out_dtypes, strict=True)]
-                    + [rw.restore(t, d) for t, d in zip(tangents, tangent_dtypes, strict=True)])
-
-        new = jax.make_jaxpr(run)(*primal_avals, *tangent_avals)
-        return new.jaxpr, new.consts, out_zeros
-
-    params = {**p, "call_jaxpr": call, "jvp_jaxpr_fun": wrap_like(jvp_jaxpr_fun, old_jvp)}
-    return bind_eqn(eqn.replace(params=params), invals)
-
-
-def _custom_vjp(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
-                constant: Sequence[bool]) -> list:
-    """The function and its forward rule are rewritten inside declared boundaries (inputs,
-    outputs, residuals); the user's backward is traced later, as part of the backward."""
-    p = eqn.params
-    invals = [rw.restore(x, v.aval.dtype) for x, v in zip(invals, eqn.invars, strict=True)]
-
-    def bounded(jaxpr: Jaxpr, consts: Sequence[Any]) -> ClosedJaxpr:
-        dtypes = [v.aval.dtype for v in jaxpr.outvars]
-
-        def run(*xs: Any) -> list:
-            return [rw.restore(o, d) for o, d in zip(rw.eval_jaxpr(jaxpr, consts, xs, setting), dtypes, strict=True)]
-        return jax.make_jaxpr(run)(*[v.aval for v in jaxpr.invars])
-
-    old_fwd = p["fwd_jaxpr_thunk"]
-
-    def fwd_jaxpr_thunk(*nonzeros: bool) -> tuple[Any, Any]:
-        new = bounded(*old_fwd.call_wrapped(*nonzeros))
-        return new.jaxpr, new.consts
-
-    params = {**p, "call_jaxpr": bounded(p["call_jaxpr"].jaxpr, p["call_jaxpr"].consts),
-              "fwd_jaxpr_thunk": wrap_like(fwd_jaxpr_thunk, old_fwd)}
-    return bind_eqn(eqn.replace(params=params), invals)
-
-
-# Calls whose body is evaluated in place: their outputs are constant as the body's are, so
-# a helper's values promote the same whether or not it is wrapped in `jax.jit`.
-_IN_PLACE = {**CALL_BODIES, P.remat_p: "jaxpr"}
-
-
-def constant_vars(jaxpr: Jaxpr, constant_args: Sequence[bool] = ()) -> set[Var]:
-    """The values of `jaxpr` built from literals alone (`jnp.where(p, x, 0.0)`'s zeros), given
-    which arguments are. They follow the other operands in promotion, like the weakly typed
-    scalars they came from. Computed from the jaxpr alone, before any rewriting."""
-    constant = {v for v, c in zip(jaxpr.invars, constant_args) if c}
-    for eqn in jaxpr.eqns:
-        if eqn.effects:
-            continue
-        flags = _flags(eqn, constant)
-        if eqn.primitive in _IN_PLACE:
-            body, _ = body_of(eqn, _IN_PLACE[eqn.primitive])
-            inner = constant_vars(body, flags)
-            outs = [isinstance(o, Literal) or o in inner for o in body.outvars]
-        else:
-            outs = [all(flags)] * len(eqn.outvars)
-        constant.update(v for v, c in zip(eqn.outvars, outs, strict=True) if c and isinstance(v, Var))
-    return constant
-
-
-STRUCTURAL: dict[Primitive, Rule] = {
-    **{prim: _inline(param) for prim, param in CALL_BODIES.items()},
-    P.remat_p: _remat, P.scan_p: _scan, P.while_p: _while, P.cond_p: _cond,
-    P.custom_jvp_call_p: _custom_jvp, P.custom_vjp_call_p: _custom_vjp,
-}
-
-
 # ----------------------------------------------------------------------------- entry points
 
 def has_markers(jaxpr: Jaxpr) -> bool:
@@ -374,7 +263,7 @@ def rewrite_backward(program: ClosedJaxpr, n_cotangents: int,
     `n_cotangents` inputs are the cotangents), each under `choose(eqn)`. Forward values it
     recomputes are re-bound unchanged (the forward's own equations). Outputs (the input
     cotangents) keep their declared dtypes."""
-    rw = Rewriter()
+    rw = Rewriter(follow=False)
     jaxpr = program.jaxpr
     constant = constant_vars(jaxpr)
 
@@ -385,7 +274,7 @@ def rewrite_backward(program: ClosedJaxpr, n_cotangents: int,
             if not any(isinstance(v, Var) and v in backward for v in eqn.invars):
                 return bind_eqn(eqn, invals)
             backward.update(v for v in eqn.outvars if isinstance(v, Var))
-            return rw.eqn(eqn, invals, choose(eqn), _flags(eqn, constant))
+            return rw.eqn(eqn, invals, choose(eqn), constant_flags(eqn, constant))
 
         outs = eval_jaxpr(jaxpr, program.consts, args, bind=bind)
         return [rw.restore(o, v.aval.dtype) for o, v in zip(outs, jaxpr.outvars, strict=True)]

@@ -15,7 +15,8 @@ from jax.tree_util import tree_flatten, tree_unflatten
 
 from aotgrad import jit_key
 from aotgrad._jax_internals import Tracer
-from aotgrad.autocast.context import OFF_MARKER, STATE, AutocastState, current_setting, parse_device_type, parse_dtype
+from aotgrad.autocast.context import (OFF_MARKER, STATE, AutocastState, current_setting, parse_device_type, parse_dtype,
+                                      parse_promotion)
 from aotgrad.autocast.rewrite import Rewriter
 
 __all__ = ["autocast", "autocast_transform"]
@@ -29,7 +30,7 @@ def _is_array(x: Any) -> bool:
 
 def autocast_transform(fn: Callable, ctx: "autocast") -> Callable:
     def fresh() -> "autocast":  # one object per call: the decorated function may run on many threads
-        return autocast(ctx._device_arg, ctx.dtype, ctx.enabled)
+        return autocast(ctx._device_arg, ctx.dtype, ctx.enabled, promotion=ctx.promotion)
 
     if getattr(type(fn), "reads_autocast_when_traced", False):  # `api.AOTFunction`: it reads the context
         @functools.wraps(fn)
@@ -80,9 +81,16 @@ class autocast:
         dtype: `jnp.float16` or `jnp.bfloat16`. None: the enclosing context's dtype for
             this device type, else the device default (gpu float16, cpu and tpu bfloat16).
         enabled: False turns casting off inside the context.
+        promotion: how an op whose floating inputs disagree is typed. "jax": the function's
+            float32 inputs (parameters, data), constants and values computed from them alone
+            follow the 16-bit values they meet, as a Flax layer's `dtype=` casts its
+            parameters (`x @ w + b` stays 16-bit, and so does a residual stream); float32
+            made by the fp32 policy or by an explicit cast still wins. "torch": float32
+            always wins, as in `torch.autocast`. None: the enclosing context's, else "jax".
     """
 
-    def __init__(self, device_type: str | None = None, dtype: Any = None, enabled: bool = True) -> None:
+    def __init__(self, device_type: str | None = None, dtype: Any = None, enabled: bool = True, *,
+                 promotion: str | None = None) -> None:
         if not isinstance(enabled, (bool, np.bool_)):
             raise TypeError(f"aotgrad.autocast: enabled must be True or False; got {enabled!r}.")
         self._device_arg = device_type
@@ -90,6 +98,7 @@ class autocast:
             parse_device_type(device_type)  # fail early on a bad name
         self.dtype = parse_dtype(dtype)
         self.enabled = bool(enabled)
+        self.promotion = parse_promotion(promotion)
         self._stack: list[tuple[contextvars.Token, contextlib.ExitStack]] = []
 
     @property
@@ -97,7 +106,7 @@ class autocast:
         return parse_device_type(self._device_arg)
 
     def __enter__(self) -> AutocastState:
-        state = STATE.get().enter(self.device_type, self.dtype, self.enabled)
+        state = STATE.get().enter(self.device_type, self.dtype, self.enabled, self.promotion)
         token = STATE.set(state)
         scope = contextlib.ExitStack()
         scope.enter_context(jax.named_scope(state.setting.marker if state.setting else OFF_MARKER))
@@ -118,5 +127,5 @@ class autocast:
 
     def __repr__(self) -> str:
         return (f"aotgrad.autocast(device_type={self._device_arg!r}, dtype={self.dtype}, "
-                f"enabled={self.enabled})")
+                f"enabled={self.enabled}, promotion={self.promotion!r})")
 
