@@ -174,7 +174,8 @@ def hand_workload(workload: str, strategy: str) -> str:
 
 def mixed_precision(rows: Sequence[TargetRow]) -> tuple[list[TargetRow], Callable[[TargetRow], Refs[TargetRow]]]:
     """A target's rows side by side per model: its float32 fused step, its hand-written
-    16-bit model's fused step (`<model>_bf16`, `<model>_fp16`) and its autocast rows, for
+    16-bit model's rows (`<model>_bf16`, `<model>_fp16`; the fused step first, the anchor)
+    and its autocast rows, for
     every model that has autocast rows or a hand-written bf16 model; and each row's
     references: the model's float32 fused step, and the hand-written model of the row's
     dtype (of the float32 row: the first autocast row's dtype, else bf16). Empty where the
@@ -185,7 +186,8 @@ def mixed_precision(rows: Sequence[TargetRow]) -> tuple[list[TargetRow], Callabl
     for workload, mine in by_workload(rows).items():
         autocast = [r for r in mine if r.strategy.startswith(AUTOCAST)]
         hands = list(dict.fromkeys(hand_workload(workload, r.strategy) for r in autocast)) or [workload + "_bf16"]
-        hand_rows = [r for h in hands for r in rows if (r.workload, r.strategy) == (h, "fused")]
+        hand_rows = [r for h in hands for r in sorted((r for r in rows if r.workload == h),
+                                                      key=lambda r: r.strategy != "fused")]
         if not autocast and not hand_rows:
             continue
         fused = ok.get((workload, "fused"))

@@ -149,7 +149,8 @@ def format_rows(rows: Sequence[DeviceRow], header: str) -> str:
     fused = {r.workload: r for r in rows if r.strategy == "fused"}
     hand = {id(r): fused.get(hand_workload(r.workload, r.strategy)) for r in rows if r.strategy.startswith(AUTOCAST)}
     mixed = any(hand.values())
-    lines = [header, "", f"{'workload':10s} {'strategy':42s} {'alloc GB':>8s} {'vs fused':>8s} {'XLA GB':>7s} "
+    wide = max([10, *(len(r.workload) for r in rows)])
+    lines = [header, "", f"{'workload':{wide}s} {'strategy':42s} {'alloc GB':>8s} {'vs fused':>8s} {'XLA GB':>7s} "
                          f"{'ms':>7s} {'vs fused':>8s} {'own ms':>7s} {'GB moved':>8s} {'GFLOP':>8s}"
                          + (f" {'alloc/hand':>10s} {'ms/hand':>8s}" if mixed else "")]
 
@@ -160,11 +161,11 @@ def format_rows(rows: Sequence[DeviceRow], header: str) -> str:
         return f"{a / b:.{digits}f}x" if a is not None and b else "-"
     for r in rows:
         if r.error:
-            lines.append(f"{r.workload:10s} {r.strategy:42s} failed: {r.error}")
+            lines.append(f"{r.workload:{wide}s} {r.strategy:42s} failed: {r.error}")
             continue
         base = fused.get(r.workload)
         xla_act = None if r.xla_peak is None or r.inputs is None else r.xla_peak - r.inputs
-        lines.append(f"{r.workload:10s} {r.strategy:42s} {num(r.allocator_peak, 1e9):>8s} "
+        lines.append(f"{r.workload:{wide}s} {r.strategy:42s} {num(r.allocator_peak, 1e9):>8s} "
                      f"{ratio(r.allocator_peak, base and base.allocator_peak):>8s} {num(xla_act, 1e9):>7s} "
                      f"{num(r.interleaved_median_s, 1e-3, '.1f'):>7s} "
                      f"{ratio(r.interleaved_median_s, base and base.interleaved_median_s):>8s} "
@@ -182,7 +183,7 @@ def main(argv: Sequence[str]) -> None:
         print(json.dumps(_child(json.loads(FLAGS.child))), flush=True)
         return
     from benchmarks import suite as suite_mod
-    from benchmarks.strategies import not_applicable
+    from benchmarks.strategies import applicable
     from benchmarks.targets import target_strategies
     from benchmarks.workloads import build
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or tempfile.mkdtemp(prefix="aotgrad_xla_cache_")
@@ -201,12 +202,11 @@ def main(argv: Sequence[str]) -> None:
     for group in groups:
         for spec in group:
             found[spec.name] = []
-            for s in strategies:
-                why = not_applicable(s, spec.sizes)
-                if why is not None:
-                    log(f"{spec.name} / {s}: not run: {why}")
-                    info["messages"].append(f"{spec.name} / {s} not run: {why}")
-                    continue
+            names, skipped = applicable(spec.name, strategies, spec.sizes)
+            if skipped is not None:
+                log(skipped)
+                info["messages"].append(skipped)
+            for s in names:
                 log(f"{spec.name} / {s}: own process")
                 r = _run_child({"workload": spec.name, "kind": spec.kind, "sizes": spec.sizes, "strategy": s,
                                 "steps": FLAGS.steps}, env)

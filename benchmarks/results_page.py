@@ -39,7 +39,9 @@ MIXED_TEXT = ("Per model: its float32 fused step (`<model>` / `fused`); the same
               "hand, its fused step (`<model>_bf16` / `fused`: float32 master weights cast to bfloat16 at their "
               "use, bfloat16 activations and residual stream, layer-norm statistics, the softmax and the loss in "
               "float32), the anchor; and `aotgrad.autocast` of the target's device type on the float32 model "
-              "(`autocast:bf16`, at a budget `autocast:bf16@<budget>`), its ratios to the anchor:")
+              "(`autocast:bf16`, at a budget `autocast:bf16@<budget>`), its ratios to the anchor. The "
+              "hand-written model's other rows (such as `aotgrad:min_cut@1`: the same partitioner as autocast's "
+              "step) are compared with the anchor too:")
 SLACK = f"{(TIME_SLACK - 1) * 100:.0f}%"
 
 

@@ -29,8 +29,8 @@ from benchmarks import overhead as overhead_mod
 from benchmarks import peers_torch, report, suite as suite_mod
 from benchmarks.measure import interleaved, steps_for, summarize, time_steps
 from benchmarks.records import Row, machine_info, now, versions
-from benchmarks.strategies import (AOTGRAD_PREFIX, PARAMETERIZED, Prepared, expand, first_line, max_relative_error,
-                                  name_error, not_applicable, prepare)
+from benchmarks.strategies import (AOTGRAD_PREFIX, PARAMETERIZED, Prepared, applicable, expand, first_line,
+                                  max_relative_error, name_error, prepare)
 from benchmarks.workloads import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,17 +155,15 @@ def estimate_step_seconds(p: Prepared, budget: float = 0.1, max_steps: int = 64)
 
 def run_workload(spec: suite_mod.WorkloadSpec, strategies: Sequence[str], repeats: int,
                  min_sample_seconds: float, memory: bool, tag: str, messages: list[str] | None = None) -> list[Row]:
-    """Every strategy on one workload, timed in interleaved rounds. A pair `not_applicable`
+    """Every strategy on one workload, timed in interleaved rounds. A pair `applicable`
     refuses (autocast on a model written in 16 bits by hand) has no row: it is logged and
     appended to `messages`."""
     t0 = time.perf_counter()
-    for s in strategies:
-        why = not_applicable(s, spec.sizes)
-        if why is not None:
-            log(f"{tag} {spec.name} / {s}: not run: {why}")
-            if messages is not None:
-                messages.append(f"{spec.name} / {s} not run: {why}")
-    strategies = [s for s in strategies if not_applicable(s, spec.sizes) is None]
+    strategies, skipped = applicable(spec.name, strategies, spec.sizes)
+    if skipped is not None:
+        log(f"{tag} {skipped}")
+        if messages is not None:
+            messages.append(skipped)
     sizes = ", ".join(f"{k}={v}" for k, v in spec.sizes.items())
     log(f"{tag} {spec.name}: building {spec.kind}({sizes})")
     try:

@@ -30,7 +30,7 @@ import dataclasses
 import fnmatch
 import functools
 import time
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ from benchmarks.workloads import Workload, build
 
 __all__ = ["AOTGRAD_PREFIX", "AUTOCAST_PREFIX", "Autocast", "BASE_STRATEGIES", "BuildSeconds", "CHECKPOINT_POLICIES",
            "Prepared", "ProgramMemory", "SavedBytes", "aotgrad_options", "autocast_strategy", "available",
-           "check_applies", "checkpointed", "expand", "first_line", "name_error", "not_applicable", "prepare",
+           "applicable", "check_applies", "checkpointed", "expand", "first_line", "name_error", "not_applicable", "prepare",
            "split_budget", "xla_peak"]
 
 AOTGRAD_PREFIX = "aotgrad:"
@@ -409,16 +409,25 @@ def not_applicable(strategy: str, sizes: dict[str, Any]) -> str | None:
     the anchor autocast is measured against, measures nothing."""
     dtype = sizes.get("dtype", "float32")
     if strategy.startswith(AUTOCAST_PREFIX) and dtype != "float32":
-        return (f"{strategy} does not apply to a model written in {dtype} by hand (sizes dtype={dtype!r}): "
-                f"it is the anchor autocast on the float32 model is measured against")
+        return f"the model is written in {dtype} by hand (dtype in its sizes): the anchor autocast is measured against"
     return None
+
+
+def applicable(workload: str, strategies: Sequence[str], sizes: dict[str, Any]) -> tuple[list[str], str | None]:
+    """The strategies that apply to the workload, and one message naming those that do not
+    and why (None where all apply), for the run's log and its file."""
+    out = [s for s in strategies if not_applicable(s, sizes) is None]
+    left = [s for s in strategies if s not in out]
+    if not left:
+        return out, None
+    return out, f"{workload}: {', '.join(left)} not run: {not_applicable(left[0], sizes)}"
 
 
 def check_applies(strategy: str, w: Workload) -> None:
     """Raises ValueError naming the pair where `not_applicable` says why."""
     why = not_applicable(strategy, w.sizes)
     if why is not None:
-        raise ValueError(f"workload {w.name!r}: {why}")
+        raise ValueError(f"workload {w.name!r}: {strategy} does not apply: {why}")
 
 
 def _autocast(name: str, w: Workload, memory: bool) -> Prepared:

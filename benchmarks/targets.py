@@ -35,7 +35,7 @@ from aotgrad.planning.measure import async_slice_excess, measure
 from aotgrad.planning.place import per_device_bytes, place
 from aotgrad.targets import resolve as resolve_target
 from benchmarks.strategies import (AOTGRAD_PREFIX, AUTOCAST_PREFIX, CHECKPOINT_PREFIX, CHECKPOINT_STRATEGIES,
-                                   aotgrad_options, autocast_strategy, check_applies, checkpointed, not_applicable)
+                                   aotgrad_options, applicable, autocast_strategy, check_applies, checkpointed)
 from benchmarks.workloads import Workload, build
 
 __all__ = ["TargetRow", "async_slice_excess", "compile_step", "device_type", "format_rows", "plot", "run_target",
@@ -127,7 +127,7 @@ def run_target(target_name: str, workloads: Sequence[tuple[str, str, dict]], *, 
                sharding: str = "dp", strategies: Sequence[str] | None = None,
                log: Callable[[str], None] = print, messages: list[str] | None = None) -> list[TargetRow]:
     """Compiles every strategy of every workload `(name, kind, sizes)` for the target. A pair
-    `not_applicable` refuses (autocast on a model written in 16 bits by hand) is not compiled:
+    `applicable` refuses (autocast on a model written in 16 bits by hand) is not compiled:
     it is logged and appended to `messages`."""
     if sharding not in ("dp", "fsdp"):
         raise ValueError(f"--sharding must be 'dp' or 'fsdp'; got {sharding!r}")
@@ -137,13 +137,12 @@ def run_target(target_name: str, workloads: Sequence[tuple[str, str, dict]], *, 
     for name, kind, sizes in workloads:
         w = build(name, kind, sizes)
         params, batch = _specs(w, mesh, sharding)
-        for strategy in strategies or target_strategies():
-            why = not_applicable(strategy, sizes)
-            if why is not None:
-                log(f"[{target_name} x{devices} {sharding}] {name} / {strategy}: not run: {why}")
-                if messages is not None:
-                    messages.append(f"{name} / {strategy} not run: {why}")
-                continue
+        names, skipped = applicable(name, strategies or target_strategies(), sizes)
+        if skipped is not None:
+            log(f"[{target_name} x{devices} {sharding}] {skipped}")
+            if messages is not None:
+                messages.append(skipped)
+        for strategy in names:
             log(f"[{target_name} x{devices} {sharding}] {name} / {strategy}: compiling")
             rows.append(_measure(strategy, w, params, batch, device_type(target)))
     return rows

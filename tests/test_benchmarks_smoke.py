@@ -255,7 +255,7 @@ def test_on_device_times_autocast_together_with_the_hand_written_model(tmp_path:
     assert [(r["workload"], r["strategy"]) for r in data["rows"]] == [
         ("gpt", "fused"), ("gpt", "autocast:bf16@0"), ("gpt_bf16", "fused")]
     assert all(r["error"] is None and r["interleaved_median_s"] > 0 for r in data["rows"])
-    assert [m.split(" not run: ")[0] for m in data["info"]["messages"]] == ["gpt_bf16 / autocast:bf16@0"]
+    assert [m.split(" not run: ")[0] for m in data["info"]["messages"]] == ["gpt_bf16: autocast:bf16@0"]
     assert "gpt, gpt_bf16: interleaved timing" in proc.stderr  # one group of rounds
     header, = [line for line in proc.stdout.splitlines() if line.startswith("workload")]
     autocast, = [line for line in proc.stdout.splitlines() if "autocast:bf16@0" in line]
@@ -374,7 +374,7 @@ def test_an_autocast_step_is_traced_under_the_targets_device_type_and_budget(mon
     assert context is contextlib.nullcontext and entered == [("gpu", jnp.bfloat16, 0)]
     monkeypatch.undo()
     hand = build("tiny_gpt_bf16", "gpt", dict(w.sizes, dtype="bfloat16"))
-    with pytest.raises(ValueError, match="'tiny_gpt_bf16': autocast:bf16 does not apply to a model written in "
+    with pytest.raises(ValueError, match="'tiny_gpt_bf16': autocast:bf16 does not apply: the model is written in "
                                          "bfloat16 by hand"):
         targets.step_and_context("autocast:bf16", hand, "gpu")
     with pytest.raises(ValueError, match="'nope'"):
@@ -390,11 +390,14 @@ def test_a_target_run_compiles_autocast_and_skips_it_on_a_hand_written_model_wit
     sizes = dict(batch=2, seq=8, d_model=16, heads=2, layers=1, vocab=32)
     messages: list[str] = []
     rows = targets.run_target("cpu", [("gpt", "gpt", sizes), ("gpt_bf16", "gpt", dict(sizes, dtype="bfloat16"))],
-                              strategies=["fused", "autocast:bf16@0"], log=lambda _: None, messages=messages)
+                              strategies=["fused", "autocast:bf16", "autocast:bf16@0"], log=lambda _: None,
+                              messages=messages)
     assert [(r.workload, r.strategy, r.error) for r in rows] == [
-        ("gpt", "fused", None), ("gpt", "autocast:bf16@0", None), ("gpt_bf16", "fused", None)]
+        ("gpt", "fused", None), ("gpt", "autocast:bf16", None), ("gpt", "autocast:bf16@0", None),
+        ("gpt_bf16", "fused", None)]
     assert all(r.peak and r.bytes_accessed for r in rows)
-    assert len(messages) == 1 and messages[0].startswith("gpt_bf16 / autocast:bf16@0 not run: ")
+    assert messages == ["gpt_bf16: autocast:bf16, autocast:bf16@0 not run: the model is written in bfloat16 by hand "
+                        "(dtype in its sizes): the anchor autocast is measured against"]
 
 
 def test_the_cpu_suite_runs_autocast_at_a_budget() -> None:

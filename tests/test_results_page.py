@@ -159,8 +159,9 @@ def test_every_column_has_a_legend_and_a_unique_name() -> None:
 
 
 def test_the_mixed_precision_table_sets_autocast_beside_the_hand_written_model() -> None:
-    """Per model: the float32 fused step, the hand-written bfloat16 model's fused step
-    (`<model>_bf16`), the autocast rows; ratios to the hand-written model (the anchor). A
+    """Per model: the float32 fused step, the hand-written bfloat16 model's rows
+    (`<model>_bf16`, fused first), the autocast rows; ratios to the hand-written model's
+    fused step (the anchor). A
     file without autocast rows or hand-written models has no such table."""
     from benchmarks.columns import MIXED_COLUMNS, mixed_precision
 
@@ -169,11 +170,12 @@ def test_the_mixed_precision_table_sets_autocast_beside_the_hand_written_model()
     rows = [row("gpt", "fused", 200, 120.0, 7.0), row("gpt", "autocast:bf16", 110, 75.0, 7.1),
             row("gpt", "aotgrad:min_cut@0", 40, 150.0, 8.0), row("gpt", "autocast:bf16@0", 30, 90.0, 8.3),
             row("gpt_bf16", "fused", 100, 60.0, 7.0), row("mlp", "fused", 5, 1.0, 1.0),
-            row("gpt", "autocast:fp16", 120, 80.0, 7.1), row("gpt_fp16", "fused", 100, 64.0, 7.0)]
+            row("gpt", "autocast:fp16", 120, 80.0, 7.1), row("gpt_bf16", "aotgrad:min_cut@1", 80, 66.0, 7.0),
+            row("gpt_fp16", "fused", 100, 64.0, 7.0)]
     mixed, refs = mixed_precision(rows)
     assert [(r.workload, r.strategy) for r in mixed] == [
-        ("gpt", "fused"), ("gpt_bf16", "fused"), ("gpt_fp16", "fused"), ("gpt", "autocast:bf16"),
-        ("gpt", "autocast:bf16@0"), ("gpt", "autocast:fp16")]
+        ("gpt", "fused"), ("gpt_bf16", "fused"), ("gpt_bf16", "aotgrad:min_cut@1"), ("gpt_fp16", "fused"),
+        ("gpt", "autocast:bf16"), ("gpt", "autocast:bf16@0"), ("gpt", "autocast:fp16")]
     cells = {(r.workload, r.strategy): {c.name: c.cell(r, refs(r)) for c in MIXED_COLUMNS} for r in mixed}
     assert cells[("gpt", "autocast:bf16")]["act / hand"] == "1.100x"
     assert cells[("gpt", "autocast:bf16")]["moved / hand"] == "1.250x"
@@ -182,6 +184,7 @@ def test_the_mixed_precision_table_sets_autocast_beside_the_hand_written_model()
     assert cells[("gpt", "autocast:bf16")]["act / fp32"] == "0.55x"
     assert cells[("gpt", "autocast:fp16")]["moved / hand"] == "1.250x"  # against the float16 one
     assert cells[("gpt_fp16", "fused")]["moved / hand"] == "1.000x"
+    assert cells[("gpt_bf16", "aotgrad:min_cut@1")]["act / hand"] == "0.800x"  # against the hand-written fused step
     assert mixed_precision([r for r in rows if "16" not in r.workload + r.strategy])[0] == []
     # Autocast rows without a hand-written model: shown, no ratio to it.
     alone, refs = mixed_precision(rows[:2])
