@@ -335,3 +335,29 @@ def test_off_and_same_as_forward_differ_as_written_by_hand(mode, call):
         else:  # to a bfloat16 tolerance: XLA may skip roundings around a fused matmul (excess precision)
             np.testing.assert_allclose(g, w, rtol=1e-2, atol=1e-2)
             assert not np.allclose(g, w32, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- two programs
+
+_SMALL = {"mlp": dict(batch=32, width=64, depth=3),
+          "transformer_block": dict(batch=2, seq=32, d_model=64, heads=4),
+          "gpt": dict(batch=2, seq=32, d_model=64, heads=4, layers=2, vocab=128),
+          "gpt_scan": dict(batch=2, seq=32, d_model=64, heads=4, layers=2, vocab=128),
+          "convnet": dict(batch=4, image=16, channels=[8, 16], classes=10),
+          "rnn": dict(batch=8, seq=16, d_in=16, hidden=64)}
+
+
+@pytest.mark.parametrize("kind", list(_SMALL))
+def test_two_programs_pass_16_bit_values_under_bf16_autocast(kind):
+    """Where forward and backward run apart (`explain` plans an eager call), bf16 autocast
+    saves at most 0.55x the float32 step's activation bytes: no value crosses in float32
+    where its 16-bit source could cross (a scan's residual stream or hidden state included:
+    under PyTorch's promotion the RNN's hidden state crosses in float32, 0.72x)."""
+    from benchmarks.workloads import build
+    w = build(kind, kind, _SMALL[kind])
+    plain = aotgrad.explain(aotgrad.compile(w.loss_fn), w.params, w.batch, argnums=0)
+    with aotgrad.autocast("gpu", dtype=BF16):
+        low = aotgrad.explain(aotgrad.compile(w.loss_fn), w.params, w.batch, argnums=0)
+    assert low.saved_bytes <= 0.55 * plain.saved_bytes, (low.saved_bytes, plain.saved_bytes)
+    wide = sum(s.nbytes for s in low.saved if not s.is_input and s.dtype == "float32")
+    assert wide <= 0.05 * low.saved_bytes, [(s.shape, s.primitive) for s in low.saved if s.dtype == "float32"]

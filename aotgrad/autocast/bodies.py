@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import jax.extend.core.primitives as P
+import numpy as np
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive, Var
 
@@ -28,6 +29,10 @@ __all__ = ["STRUCTURAL", "constant_flags", "constant_vars"]
 
 def _aval(x: Any) -> Any:
     return jax.typeof(x)
+
+
+_F32 = np.dtype(np.float32)
+_HALF = frozenset(np.dtype(d) for d in (jax.numpy.float16, jax.numpy.bfloat16))
 
 
 def constant_flags(eqn: JaxprEqn, constant: set[Var]) -> list[bool]:
@@ -70,18 +75,31 @@ def _scan(rw: Rewriter, eqn: JaxprEqn, invals: list, setting: Setting | None,
     nc, ncar = p.n_consts, p.n_carry
     consts, init, xs = invals[:nc], invals[p.carries], invals[nc + ncar:]
     dtypes = [v.aval.dtype for v in eqn.invars[p.carries]]
-
     wide: list[bool] = []
+    returned: list[Any] = []  # the carries' dtypes as the body returns them
 
     def step(carry: list, x: list) -> tuple[list, list]:
         rw.inherit([*carry, *x], [*init, *xs])  # (consts are the outer values themselves)
         outs = rw.eval_closed(p.body, [*consts, *carry, *x], setting)
         wide[:] = [rw.is_wide(o) for o in outs]
+        returned[:] = [_aval(o).dtype for o in outs[:ncar]]
         return [rw.restore(c, d) for c, d in zip(outs[:ncar], dtypes, strict=True)], outs[ncar:]
 
+    def scan(carry: list, xs: list) -> tuple[list, list]:
+        return lax.scan(step, [rw.restore(c, d) for c, d in zip(carry, dtypes, strict=True)], xs,
+                        length=p.length, reverse=p.reverse, unroll=p.unroll)
+
+    if setting is not None and setting.promotion == "jax" and rw.follow:
+        # A float32 carry that is not wide and that the body returns in 16 bits is carried
+        # in 16 bits (a residual stream, a hidden state): cast up between iterations, it
+        # would be saved for the backward in float32 at every step.
+        counts = rw.counts.copy()
+        jax.eval_shape(scan, init, xs)  # a trial trace: what the body returns
+        rw.counts = counts
+        dtypes = [r if d == _F32 and r in _HALF and not w and not rw.is_wide(x) else d
+                  for d, r, w, x in zip(dtypes, returned, wide[:ncar], init, strict=True)]
     with eqn_context(eqn):
-        carry, ys = lax.scan(step, [rw.restore(c, d) for c, d in zip(init, dtypes, strict=True)], xs,
-                             length=p.length, reverse=p.reverse, unroll=p.unroll)
+        carry, ys = scan(init, xs)
     rw.mark_wide([*carry, *ys], wide)
     return [*carry, *ys]
 
