@@ -7,8 +7,10 @@
 
 Progress goes to stderr; the comparison table to stdout; everything to the JSON file.
 Strategy names: `fused`, `jax_fwd_and_bwd`, `aotgrad:<partitioner>` for every name in
-`aotgrad.partitioners()` (suites say `aotgrad:*`), and with --peers `torch_eager` and
-`torch_aot_min_cut` (--strategies filters them too: add `torch_*` to keep them).
+`aotgrad.partitioners()` (suites say `aotgrad:*`), `aotgrad:<partitioner>@<budget>`,
+`checkpoint:<policy>`, `autocast:bf16` / `autocast:fp16` (also `@<budget>`; with --target
+too), and with --peers `torch_eager` and `torch_aot_min_cut` (--strategies filters them too:
+add `torch_*` to keep them).
 """
 from __future__ import annotations
 
