@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Union
 import numpy as np
 
 from aotgrad import jit_key
-from aotgrad.autocast.context import AutocastArgs, parse_device_type, parse_dtype, parse_promotion  # the one autocast validator
+from aotgrad.autocast.context import (AutocastArgs, check_table_dtype, parse_device_type, parse_dtype,  # the one
+                                      parse_promotion)  # autocast validator
 from aotgrad.errors import ConfigError
 from aotgrad.partition import PARTITIONERS  # the registry decides what is valid
 from aotgrad.partition.budget import Bytes, parse_bytes
@@ -139,6 +140,8 @@ def _autocast_args(value: Any, where: str) -> AutocastArgs:
         device = None if device is None else parse_device_type(device, f"{where}['device_type']")
         dtype = parse_dtype(value.get("dtype"), f"{where}['dtype']")
         promotion = parse_promotion(value.get("promotion"), f"{where}['promotion']")
+        if device is not None and dtype is not None:
+            check_table_dtype(device, dtype, where)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     enabled = value.get("enabled", True)

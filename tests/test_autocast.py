@@ -398,12 +398,27 @@ def test_enabled_false_region_inside_a_transform():
         a = x @ x
         with aotgrad.autocast("cpu", enabled=False):
             b = x @ x
-            with aotgrad.autocast("cpu", dtype=F16):
+            with aotgrad.autocast("gpu", dtype=F16):
                 c = x @ x
         return a, b, c
 
     a, b, c = aotgrad.autocast("cpu")(f)(x)
     assert (a.dtype, b.dtype, c.dtype) == (BF16, F32, F16)
+
+
+def test_float16_under_the_cpu_table_is_an_error():
+    """The cpu table leaves exp, sums and the softmax in their input's type: float16 there
+    would overflow silently (exp(12) is inf in float16), so it is refused, when the context
+    is made, entered with the default backend, or named for the backward."""
+    with pytest.raises(ValueError, match="float16 is not supported under the cpu table.*device_type='gpu'"):
+        aotgrad.autocast("cpu", dtype=F16)
+    with pytest.raises(ValueError, match=r"\['device_type'\]|float16 is not supported under the cpu table"):
+        aotgrad.config.patch(backward_pass_autocast={"device_type": "cpu", "dtype": "float16"})
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="float16 is not supported under the cpu table"):
+            with aotgrad.autocast(dtype=F16):
+                pass
+    assert aotgrad.autocast("gpu", dtype=F16)(lambda a: jnp.exp(a @ a))(jnp.ones((2, 2))).dtype == F32
 
 
 # ----------------------------------------------------------------------------- values and transforms

@@ -21,7 +21,7 @@ from aotgrad import jit_key
 from aotgrad._jax_internals import name_scopes
 
 __all__ = ["DEFAULT_DTYPES", "DEVICE_TYPES", "DTYPES", "MARKERS", "PROMOTIONS", "STATE", "AutocastArgs", "AutocastState",
-           "Setting", "current_setting", "current_state", "parse_device_type", "parse_dtype", "parse_promotion",
+           "Setting", "check_table_dtype", "current_setting", "current_state", "parse_device_type", "parse_dtype", "parse_promotion",
            "setting_inside", "setting_of"]
 
 DEVICE_TYPES = ("cpu", "gpu", "tpu")
@@ -78,6 +78,7 @@ class AutocastState:
         """The state inside a context `autocast(device_type, dtype, enabled, promotion)`;
         `dtype` and `promotion` None inherit the enclosing contexts'."""
         chosen = dtype or self.dtype_for(device_type)
+        check_table_dtype(device_type, chosen)
         dtypes = tuple(sorted({**dict(self.dtypes), device_type: chosen}.items()))
         promotion = promotion or self.promotion
         return AutocastState(Setting(device_type, chosen, promotion) if enabled else None, dtypes, promotion)
@@ -138,6 +139,17 @@ def parse_dtype(dtype: Any, who: str = "aotgrad.autocast") -> str | None:
         return name
     raise ValueError(f"{who}: dtype must be jnp.float16 or jnp.bfloat16 (or None to inherit the enclosing "
                      f"context's dtype for the device, else the device default); got {dtype!r}.")
+
+
+def check_table_dtype(device_type: str, dtype: str, who: str = "aotgrad.autocast") -> None:
+    """float16 is refused under the cpu table: it leaves exp, log, softmax, norms and sums in
+    their input's type (PyTorch's cpu lists), which bfloat16's range survives and float16's
+    (largest value 65504, exp(11.1)) does not. The gpu table keeps them in float32; a table
+    only decides the casts, so it serves float16 programs on any device."""
+    if device_type == "cpu" and dtype == "float16":
+        raise ValueError(f"{who}: float16 is not supported under the cpu table: it keeps exp, log, softmax and "
+                         f"sums in their input's type, where float16 overflows; use dtype=jnp.bfloat16, or "
+                         f"device_type='gpu' (its table keeps them in float32, on any device).")
 
 
 def parse_promotion(promotion: Any, who: str = "aotgrad.autocast") -> str | None:

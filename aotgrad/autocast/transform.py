@@ -15,8 +15,8 @@ from jax.tree_util import tree_flatten, tree_unflatten
 
 from aotgrad import jit_key
 from aotgrad._jax_internals import Tracer
-from aotgrad.autocast.context import (OFF_MARKER, STATE, AutocastState, current_setting, parse_device_type, parse_dtype,
-                                      parse_promotion)
+from aotgrad.autocast.context import (DEFAULT_DTYPES, OFF_MARKER, STATE, AutocastState, check_table_dtype,
+                                      current_setting, parse_device_type, parse_dtype, parse_promotion)
 from aotgrad.autocast.rewrite import Rewriter
 
 __all__ = ["autocast", "autocast_transform"]
@@ -94,9 +94,9 @@ class autocast:
         if not isinstance(enabled, (bool, np.bool_)):
             raise TypeError(f"aotgrad.autocast: enabled must be True or False; got {enabled!r}.")
         self._device_arg = device_type
-        if device_type is not None:
-            parse_device_type(device_type)  # fail early on a bad name
         self.dtype = parse_dtype(dtype)
+        if device_type is not None:  # fail early on a bad name or combination
+            check_table_dtype(parse_device_type(device_type), self.dtype or DEFAULT_DTYPES[parse_device_type(device_type)])
         self.enabled = bool(enabled)
         self.promotion = parse_promotion(promotion)
         self._stack: list[tuple[contextvars.Token, contextlib.ExitStack]] = []
