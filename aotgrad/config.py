@@ -19,8 +19,9 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Union
 import numpy as np
 
 from aotgrad import jit_key
-from aotgrad.autocast.context import (AutocastArgs, check_table_dtype, parse_device_type, parse_dtype,  # the one
-                                      parse_promotion)  # autocast validator
+# the one autocast validator
+from aotgrad.autocast.context import (AutocastArgs, check_table_dtype, parse_device_type, parse_dtype,
+                                      parse_promotion)
 from aotgrad.errors import ConfigError
 from aotgrad.partition import PARTITIONERS  # the registry decides what is valid
 from aotgrad.partition.budget import Bytes, parse_bytes
