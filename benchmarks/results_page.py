@@ -173,12 +173,15 @@ def _cell(runs: dict[str, Run], args: list[str]) -> str:
     run = _run(runs, args[0])
     rows: Sequence[Any] = run.target_rows if run.is_target else run.rows
     columns: Sequence[Column[Any]] = TARGET_COLUMNS if run.is_target else SUITE_COLUMNS
+    refs = target_refs(run.target_rows) if run.is_target else suite_refs(run.rows)
+    if run.is_target and not any(c.name == args[3] for c in columns):  # a mixed-precision column
+        rows, refs = mixed_precision(run.target_rows)
+        columns = MIXED_COLUMNS
     row = next((r for r in rows if (r.workload, r.strategy) == (args[1], args[2])), None)
     column = next((c for c in columns if c.name == args[3]), None)
     if row is None or column is None:
         raise ResultsError(f"{run.file} has no {'row' if row is None else 'column'} "
                            f"{(args[1], args[2]) if row is None else args[3]!r}")
-    refs = target_refs(run.target_rows) if run.is_target else suite_refs(run.rows)
     return column.cell(row, refs(row))
 
 

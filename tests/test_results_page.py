@@ -202,3 +202,13 @@ def test_the_page_shows_the_mixed_precision_table_for_a_file_that_has_one() -> N
         assert section in page
     assert any(results_page.MIXED_HEADING in "\n".join(results_page._section(r)) for r in runs), \
         "docs/results/ holds a run of the hand-written bfloat16 models beside autocast"
+
+
+def test_a_marker_reads_the_mixed_precision_columns_of_a_target_file() -> None:
+    runs = load_dir()
+    text = "<!-- results:cell h100_autocast; gpt; autocast:bf16; act / hand -->?<!-- /results -->"
+    filled = results_page.fill_markers(text, runs)
+    ratio = float(filled.split("-->")[1].split("<!--")[0].rstrip("x"))
+    rows = {(r.workload, r.strategy): r for r in next(r for r in runs if r.name == "h100_autocast").target_rows}
+    want = rows[("gpt", "autocast:bf16")].activation_peak / rows[("gpt_bf16", "fused")].activation_peak
+    assert abs(ratio - want) < 1e-3, (filled, want)
