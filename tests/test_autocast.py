@@ -12,6 +12,7 @@ import pytest
 from jax import lax
 
 import aotgrad
+from aotgrad._jax_internals import scan_params
 from aotgrad.autocast import TABLES, current_setting
 from aotgrad.autocast.context import Setting, current_state
 from aotgrad._jax_internals import jax_primitives
@@ -522,7 +523,7 @@ def test_control_flow_keeps_declared_carry_and_branch_dtypes(promotion, ys_dtype
     for prim in (P.scan_p, P.while_p, P.cond_p):
         (e,) = [e for e in closed.jaxpr.eqns if e.primitive is prim]
         # The loop carries and branch outputs keep their declared float32 ...
-        kept = e.outvars[:e.params["num_carry"]] if prim is P.scan_p else e.outvars
+        kept = e.outvars[:scan_params(e).n_carry] if prim is P.scan_p else e.outvars
         want = ys_dtype if prim is P.scan_p else F32  # ... but a "jax" scan carries in 16 bits
         assert all(v.aval.dtype == want for v in kept if jnp.issubdtype(v.aval.dtype, jnp.floating)), prim
     (cond,) = [e for e in closed.jaxpr.eqns if e.primitive is P.cond_p]
