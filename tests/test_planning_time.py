@@ -1,10 +1,13 @@
 """Planning below budget 1 does no work twice: each distinct saved set is estimated once,
 the backward and forward of each cut are found on arrays built once per graph (as
-`graph.live_eqns` finds them), and the cycle collector held off while candidates are
-estimated is switched back on. Counts and equalities, not timings (the timings are in
-docs/partitioner.md, "Planning time": `python -m benchmarks.planning_time`)."""
+`graph.live_eqns` finds them), the backward is ordered and its peak estimated on index
+lists and arrays built once per graph (as `schedule.plan` and `peak._program_peak` find
+them), no candidate walks the graph's equations, and the cycle collector held off while
+candidates are estimated is switched back on. Counts and equalities, not timings (the
+timings are in docs/partitioner.md, "Planning time": `python -m benchmarks.planning_time`)."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import numpy as np
@@ -12,7 +15,8 @@ import pytest
 from jax.extend.core import Var
 
 import aotgrad
-from aotgrad.partition import budget
+from aotgrad.devices import profile_named
+from aotgrad.partition import budget, fusion, order, peak, peak_arrays, schedule
 from aotgrad.partition.budget import choices, ladder
 from aotgrad.partition.fusion import deps, programs
 from aotgrad.partition.graph import JointGraph, live_eqns
@@ -28,6 +32,10 @@ WORKLOADS = [("gpt", dict(batch=1, seq=8, d_model=16, heads=2, layers=3, vocab=3
 def _graph(kind: str, sizes: dict, under_jit: bool) -> JointGraph:
     w = build(kind, kind, sizes)
     return aotgrad.compile(w.loss_fn).trace(w.params, w.batch).pair(0, under_jit=under_jit).graph
+
+
+def _on(graph: JointGraph, device: str | None) -> JointGraph:
+    return graph if device is None else dataclasses.replace(graph, device=profile_named(device))
 
 
 def _candidates(problem: Problem) -> list[Cut]:
@@ -93,3 +101,61 @@ def test_collector_paused_restores_the_collector(enabled: bool) -> None:
         assert gc.isenabled() == enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+@pytest.mark.parametrize("kind,sizes", WORKLOADS)
+@pytest.mark.parametrize("under_jit", [True, False])
+@pytest.mark.parametrize("device", [None, "h100", "tpu"])
+def test_backward_order_on_index_lists_is_plans(kind: str, sizes: dict, under_jit: bool, device: str | None) -> None:
+    graph = _on(_graph(kind, sizes, under_jit), device)
+    for cut in _candidates(Problem.priced(graph)):
+        idx = order.recompute_late(graph, cut.backward_eqns)
+        groups = schedule.plan([graph.eqns[i] for i in idx], graph.backward)
+        assert order.tied(graph, idx) == {p for g in groups for p in range(g.start, g.stop)}
+
+
+@pytest.mark.parametrize("kind,sizes", WORKLOADS)
+@pytest.mark.parametrize("under_jit", [True, False])
+@pytest.mark.parametrize("device", [None, "h100", "tpu"])
+def test_peak_on_arrays_is_the_peak_followed_in_python(kind: str, sizes: dict, under_jit: bool,
+                                                       device: str | None) -> None:
+    graph = _on(_graph(kind, sizes, under_jit), device)
+    covered = 0
+    for cut in _candidates(Problem.priced(graph)):
+        step = budget._programs(cut)
+        for run in step.runs:
+            expected = _program_peak(run.eqns, run.args, run.outs, step.size, step.recomputed_in_readers, run.early)
+            if peak_arrays.supports(graph, run):
+                covered += 1
+                assert peak_arrays.program_peak(graph, run) == expected
+    assert covered or device == "h100"  # an XLA:GPU step's elementwise work is followed in Python
+
+
+@pytest.mark.parametrize("under_jit", [True, False])
+def test_no_candidate_walks_the_graph(monkeypatch: pytest.MonkeyPatch, under_jit: bool) -> None:
+    """Per candidate, no pass over the joint graph's equations in Python: the equations are
+    looked up a bounded number of times per graph plus a few per candidate, and neither
+    `schedule.plan` nor `fusion.reads` runs (before, each candidate ordered its backward
+    through `graph.eqns` and `is_backward_eqn`, equation by equation, and followed its
+    step in `reads`)."""
+    graph = _graph(*WORKLOADS[0], under_jit)
+    problem = Problem.priced(graph)
+    n, candidates = len(graph.eqns), len({frozenset(c.saved) for c in _candidates(problem)})
+    counts = {"eqns": 0, "is_backward_eqn": 0, "plan": 0, "reads": 0}
+    eqns, is_backward_eqn, reads = JointGraph.eqns, JointGraph.is_backward_eqn, fusion.reads
+
+    def counted(name: str, f):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            counts[name] += 1
+            return f(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(JointGraph, "eqns", property(counted("eqns", eqns.fget)))
+    monkeypatch.setattr(JointGraph, "is_backward_eqn", counted("is_backward_eqn", is_backward_eqn))
+    monkeypatch.setattr(schedule, "plan", counted("plan", schedule.plan))
+    monkeypatch.setattr(fusion, "reads", counted("reads", reads))
+    monkeypatch.setattr(peak, "reads", counted("reads", reads))
+    choices(problem)
+    assert counts["plan"] == counts["reads"] == 0, counts
+    assert counts["is_backward_eqn"] <= n, counts  # once per equation, for the whole graph
+    assert counts["eqns"] <= 3 * n + 4 * candidates, (counts, n, candidates)

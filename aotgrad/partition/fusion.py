@@ -32,15 +32,15 @@ from jax.extend.core import JaxprEqn, Var
 from scipy.sparse.csgraph import breadth_first_order
 
 from aotgrad._jax_internals import primitives as I
-from aotgrad.partition import schedule
+from aotgrad.partition import order, schedule
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.rules import Kind, duplicated, kind_of
 from aotgrad.partition.shards import per_device_bytes
 
-__all__ = ["FUSED", "Deps", "Program", "Programs", "Reads", "Row", "Value", "deps", "programs", "reads", "rows"]
+__all__ = ["FUSED", "READ_FUSED", "Deps", "Program", "Programs", "Reads", "Row", "Value", "deps", "programs", "reads", "rows"]
 
 FUSED = (Kind.CHEAP, Kind.MOVE)  # equations XLA fuses into their readers
-_READ_FUSED = FUSED + (Kind.REDUCE,)  # readers a single elementwise producer fuses into
+READ_FUSED = FUSED + (Kind.REDUCE,)  # readers a single elementwise producer fuses into
 
 Value = tuple[Var, int]  # a variable as bound by one equation (its index; -1: an argument)
 # What `reads` and the estimates need of one equation, worked out once per graph: its
@@ -65,6 +65,7 @@ class Program:
     outs: list
     early: range = range(0)  # the backward's untied recomputation moved to its start (a GPU's: `reads`)
     rows: list[Row] | None = None  # each equation's `Row`, if known
+    index: list[int] | None = None  # each equation's index in the joint graph, if known
 
     def table(self, recomputed_in_readers: Callable[[JaxprEqn], bool]) -> list[Row]:
         return self.rows if self.rows is not None else rows(self.eqns, recomputed_in_readers)
@@ -78,6 +79,7 @@ class Programs:
     runs: tuple[Program, ...]
     size: Callable[[Var], int]
     recomputed_in_readers: Callable[[JaxprEqn], bool]
+    graph: JointGraph | None = None  # the joint graph the runs' `index` is into
 
 
 class Deps:
@@ -174,10 +176,10 @@ def programs(graph: JointGraph, saved: Sequence[Var], backward_order: Sequence[i
         moved = 0
     args, cotangents = list(graph.inputs), list(graph.cotangents)
     outs, grads = list(graph.outputs), list(graph.grads)
-    t = table(graph)
+    t, eqns = table(graph), graph.eqns
 
     def run(idx: list[int], *rest: object) -> Program:
-        return Program([graph.eqns[i] for i in idx], *rest, rows=[t.rows[i] for i in idx])  # type: ignore[arg-type]
+        return Program([eqns[i] for i in idx], *rest, rows=[t.rows[i] for i in idx], index=idx)  # type: ignore[arg-type]
 
     if graph.staged:  # one program: the saved values are its temporaries
         runs = (run(fwd_idx + bwd_idx, args + cotangents, outs + grads,
@@ -185,25 +187,23 @@ def programs(graph: JointGraph, saved: Sequence[Var], backward_order: Sequence[i
     else:  # the saved values are the forward's outputs and the backward's arguments
         runs = (run(fwd_idx, args, outs + activations),
                 run(bwd_idx, list(saved) + cotangents, grads, range(moved)))
-    return Programs(runs, t.size, _duplicated(graph))
+    return Programs(runs, t.size, _duplicated(graph), graph)
 
 
 def _untied_first(graph: JointGraph, idx: list[int]) -> tuple[list[int], int]:
     """The backward's equations (joint indices) as XLA runs them: recomputation that no
     group ties to a cotangent moves to the start (with what it reads, when that is untied
     too); and how many moved."""
-    eqns, t = graph.eqns, table(graph)
-    tied = {i for g in schedule.plan([eqns[i] for i in idx], graph.backward) for i in range(g.start, g.stop)}
+    waiting, backward, operands = order.tied(graph, idx), table(graph).backward, order.links(graph).operands
     early: list[int] = []
     late: list[int] = []
-    made_late: set[Var] = set()  # an equation reading these stays late too
+    made_late: set[int] = set()  # an equation reading what these make stays late too
     for n, i in enumerate(idx):
-        ins, outs = t.rows[i][0], t.rows[i][1]
-        if n not in tied and not t.backward[i] and not (made_late and any(v in made_late for v in ins)):
+        if n not in waiting and not backward[i] and not (made_late and any(p in made_late for p in operands[i])):
             early.append(i)
         else:
             late.append(i)
-            made_late.update(outs)
+            made_late.add(i)
     return early + late, len(early)
 
 
@@ -259,7 +259,7 @@ def reads(eqns: list[JaxprEqn], kinds: list[Kind], recomputed_in_readers: Callab
         invars, outvars, kind, _ = table[i]
         ins = [(v, bound.get(v, -1)) for v in invars]
         operands.append(list(dict.fromkeys(ins)) if len(ins) > 1 else ins)
-        fuses = kind in _READ_FUSED
+        fuses = kind in READ_FUSED
         for u in ins:
             if u in kept_by or (fuses and u[1] >= 0 and table[u[1]][3]):
                 read(u, i, fuses)

@@ -28,8 +28,8 @@ from typing import Callable, Iterator
 
 from jax.extend.core import JaxprEqn, Var
 
-from aotgrad.partition import costs
-from aotgrad.partition.fusion import FUSED, Programs, Row, Value, reads, rows
+from aotgrad.partition import costs, peak_arrays
+from aotgrad.partition.fusion import FUSED, Program, Programs, Row, Value, reads, rows
 from aotgrad.partition.rules import IN_PLACE, Kind
 
 __all__ = ["collector_paused", "estimate"]
@@ -38,8 +38,15 @@ __all__ = ["collector_paused", "estimate"]
 def estimate(step: Programs) -> int:
     """The estimated peak of the step's programs (`fusion.programs`): the largest of
     theirs."""
-    return max(_program_peak(run.eqns, run.args, run.outs, step.size, step.recomputed_in_readers, run.early,
-                             run.table(step.recomputed_in_readers)) for run in step.runs)
+    return max(_run_peak(step, run) for run in step.runs)
+
+
+def _run_peak(step: Programs, run: Program) -> int:
+    """One program's estimated peak: on arrays where `peak_arrays` covers it."""
+    if step.graph is not None and peak_arrays.supports(step.graph, run):
+        return peak_arrays.program_peak(step.graph, run)
+    return _program_peak(run.eqns, run.args, run.outs, step.size, step.recomputed_in_readers, run.early,
+                         run.table(step.recomputed_in_readers))
 
 
 def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,

@@ -17,6 +17,7 @@ from jax.extend.core import ClosedJaxpr, Var
 
 from aotgrad.interpret import eval_jaxpr
 from aotgrad.partition import schedule
+from aotgrad.partition.order import recompute_late  # re-exported: the backward's order
 from aotgrad.partition.graph import JointGraph, live_eqns
 from aotgrad.partition.zeros import known_zero, zeros_like
 
@@ -104,38 +105,6 @@ def without_cotangents(graph: JointGraph, sp: Split, present: Sequence[bool]) ->
     zero, e.g. auxiliary outputs'); the forward and the saved set are unchanged."""
     absent = [v for v, p in zip(graph.cotangents, present, strict=True) if not p]
     return split(graph, sp.saved(graph), absent)
-
-
-def recompute_late(graph: JointGraph, idx: list[int]) -> list[int]:
-    """Orders the backward's equations: its own (cotangent-dependent) equations in joint
-    order, each recomputed forward equation just before its first use, so recomputed
-    values do not live longer than they must."""
-    recomputed = {i for i in idx if not graph.is_backward_eqn(graph.eqns[i])}
-    order: list[int] = []
-    emitted: set[int] = set()
-
-    def emit(root: int) -> None:  # depth-first, iterative: graphs can be deep
-        stack = [(root, False)]
-        while stack:
-            i, ready = stack.pop()
-            if i in emitted:
-                continue
-            if ready:
-                emitted.add(i)
-                order.append(i)
-                continue
-            stack.append((i, True))
-            for v in graph.eqns[i].invars:
-                p = graph.producer.get(v) if isinstance(v, Var) else None
-                if p in recomputed and p not in emitted:
-                    stack.append((p, False))
-
-    for i in idx:
-        if i not in recomputed:
-            emit(i)
-    for i in idx:  # recomputed values returned directly as gradients
-        emit(i)
-    return order
 
 
 def _in_order(graph: JointGraph, values: Sequence[Var]) -> list[Var]:
