@@ -177,7 +177,7 @@ def _take_buffers(a: Arrays, idx: np.ndarray, held: np.ndarray, last: np.ndarray
     u = pair_value[np.searchsorted(pair_at, steps[one])]
     takes = size[u] == size[k]
     start[k[takes]] = steps[one][takes] + 1
-    steps = steps[~one]
+    steps = steps[~one & (results > 0)]  # the rest: several operands or results, in order
     made_from, made_to = np.searchsorted(made_at, steps), np.searchsorted(made_at, steps, side="right")
     read_from, read_to = np.searchsorted(read_at, steps), np.searchsorted(read_at, steps, side="right")
     for p, m0, m1, r0, r1 in zip(steps.tolist(), made_from.tolist(), made_to.tolist(), read_from.tolist(),
