@@ -14,6 +14,7 @@ from aotgrad.api import compile as aot_compile
 from aotgrad.config import config
 from aotgrad.devices import profile_of
 from aotgrad.errors import BudgetUnreachable, ConfigError
+from aotgrad.planning.land import levels
 from aotgrad.planning.measure import Measured, estimate_step_s, measure
 from aotgrad.planning.place import Placed, place
 from aotgrad.planning.steps import Step, is_nnx_module, optimizer_specs
@@ -144,7 +145,18 @@ def plan(fn: Callable[..., Any], *args: Any, target: Any = "h100", devices: int 
             return row("aotgrad", limit)
         except BudgetUnreachable:
             return None
-    return Plan(resolved.name, devices, mode, _versions(), rows, compile_budget)
+    def byte_levels(limit: int) -> list[int]:
+        """The ladder of the step's function with its scans cut at `limit` (a scan's body is
+        cut before the step's graph is traced); at budget 0 where no plan's estimate is that
+        low (the compiled peak may still be)."""
+        for budget in (limit, 0.0):
+            try:
+                with config.patch(activation_memory_budget=budget):
+                    return levels(aot_compile(step.loss).trace(*step.arguments()).pair(0, under_jit=True).graph)
+            except BudgetUnreachable:
+                continue
+        raise AssertionError("budget 0 is always reachable")
+    return Plan(resolved.name, devices, mode, _versions(), rows, compile_budget, byte_levels)
 
 
 def _row(strategy: str, budget: Any, m: Measured, profile: Any, dtype: str) -> Row:

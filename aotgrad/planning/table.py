@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Callable
 
 from aotgrad.partition.budget import parse_bytes
+from aotgrad.planning.land import land
 
 __all__ = ["DoesNotFit", "Plan", "Row"]
 
@@ -71,13 +72,17 @@ class Plan:
     rows: tuple[Row, ...]
     # Compiles the aotgrad step at one more budget (fit's byte budget); None: not offered.
     compile_budget: Callable[[Any], Row | None] | None = dataclasses.field(default=None, compare=False, repr=False)
-    # fit's extra rows by byte budget, so asking twice compiles once.
-    _extra: dict[int, Row | None] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # The estimated peaks a byte budget chooses between (`land.levels`), traced at a limit.
+    levels: Callable[[int], list[int]] | None = dataclasses.field(default=None, compare=False, repr=False)
+    # fit's extra rows by byte budget setting, so asking twice compiles once.
+    _extra: dict[str, Row] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def fit(self, limit: int | str) -> Row:
         """The cheapest row whose compiled per-device peak is at most `limit` (bytes, or a
-        size such as "70GB"). Where the fused step does not fit, the aotgrad step at the byte
-        budget `limit` itself is compiled too (a budget the ladder may not hold)."""
+        size such as "70GB"). Where the fused step does not fit, aotgrad's step is compiled
+        at budgets searched so that its compiled peak lands just under `limit` (`land.py`:
+        a budget is met against aotgrad's estimate of the peak, not the compiler's); the
+        row names the `activation_memory_budget` (`row.budget`) that builds that step."""
         try:
             if isinstance(limit, bool) or not isinstance(limit, (int, str)):
                 raise ValueError(f"a byte size is an int or a string such as '70GB'; got {limit!r}.")
@@ -87,11 +92,8 @@ class Plan:
         rows = list(self.rows)
         fits = [r for r in rows if r.peak_bytes is not None and r.peak_bytes <= n]
         fused_fits = any(r.strategy == "fused" for r in fits)
-        if not fused_fits and self.compile_budget is not None:
-            if n not in self._extra:
-                self._extra[n] = self.compile_budget(limit if isinstance(limit, str) else n)
-            extra = self._extra[n]
-            if extra is not None:
+        if not fused_fits and self.compile_budget is not None and self.levels is not None:
+            for _, extra in land(n, self.levels(n), self._compiled_at).tried:
                 rows.append(extra)
                 if extra.peak_bytes is not None and extra.peak_bytes <= n:
                     fits.append(extra)
@@ -104,6 +106,14 @@ class Plan:
                              f"{self.target}; {reached}. More devices with sharding='fsdp', a smaller batch "
                              f"per device, or a lower-precision model may.", best.peak_bytes if best else None)
         return min(fits, key=_cost)
+
+    def _compiled_at(self, setting: str) -> Row:
+        """The aotgrad step at the byte budget `setting`, compiled once per setting."""
+        if setting not in self._extra:
+            row = self.compile_budget(setting)
+            assert row is not None, "a setting from the ladder's levels is never unreachable"
+            self._extra[setting] = row
+        return self._extra[setting]
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready: target, devices, sharding, versions and one object per row."""

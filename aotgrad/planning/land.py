@@ -1,0 +1,93 @@
+"""Landing a byte limit on the compiled peak: which `activation_memory_budget` to give
+aotgrad so that the step XLA compiles peaks just under a limit.
+
+A byte budget is met against aotgrad's estimate of the step's peak, made while tracing,
+before any compiler has run: the estimate orders the candidate plans well but is off by
+up to tens of percent in absolute terms (it does not model XLA's buffer assignment, and
+while tracing it does not see the step's shardings, its optimizer state or the program
+around the function). GPT-2 small on one H100: the byte budget "7GB" took a plan that
+compiled to 4.64 GB where one that compiled to 6.96 GB fits.
+
+The plans a byte budget chooses between are known before compiling (`levels`): the
+candidates of the budget's ladder, each with its estimated peak, and budget 1's plan. A
+byte budget equal to a candidate's estimate takes that candidate, and the compiled peak
+rises with the candidates (nearly always: the estimate orders them). So `land` searches
+the candidates by bisection for the highest one whose compiled peak fits, compiling about
+log2(candidates) steps, and names it by the shortest size in its range of byte budgets
+(`setting`: "7.7GB", which a user can write).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Protocol, Sequence
+
+from aotgrad.partition.budget import choices
+from aotgrad.partition.fusion import programs
+from aotgrad.partition.graph import JointGraph
+from aotgrad.partition.min_cut import Problem
+from aotgrad.partition.peak import collector_paused, estimate
+from aotgrad.partition.split import recompute_late
+
+__all__ = ["Landing", "land", "levels", "setting"]
+
+
+class Step(Protocol):
+    """A compiled step: its per-device peak (None: the compiler did not say)."""
+    peak_bytes: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Landing:
+    """The settings `land` compiled, in order, each with its step."""
+    tried: tuple[tuple[str, Step], ...]
+
+
+def levels(graph: JointGraph) -> list[int]:
+    """The estimated peaks a byte budget chooses between on `graph`, lowest first: its
+    ladder's candidates (`budget.choices`) and budget 1's plan, which a byte budget takes
+    when it admits its estimate (`budget.within_budget`)."""
+    problem = Problem.priced(graph)
+    with collector_paused():
+        ladder = [c.peak for c in choices(problem)]
+    top = problem.top_cut(stacked=False)
+    highest = estimate(programs(graph, top.saved, recompute_late(graph, top.backward_eqns)))
+    return sorted({p for p in ladder if p < highest}) + [highest]  # above it, budget 1's plan
+
+
+_UNITS = (("GB", 10 ** 9), ("MB", 10 ** 6), ("KB", 10 ** 3), ("B", 1))
+
+
+def setting(low: int, high: float) -> str:
+    """The shortest byte size in [low, high) ("7.7GB" rather than 7,712,345,678 bytes), in
+    the largest unit not above `low`."""
+    unit, scale = next((u, s) for u, s in _UNITS if low >= s or s == 1)
+    for digits in range(0, 10):
+        value = math.ceil(low * 10 ** digits / scale) / 10 ** digits
+        if value * scale < high or scale == 1:
+            return f"{value:.{digits}f}{unit}"
+    return f"{low}B"
+
+
+def land(limit: int, peaks: Sequence[int], compile_at: Callable[[str], Step]) -> Landing:
+    """Bisects the estimated `peaks` (`levels`, lowest first) for the highest one whose
+    step, compiled at that byte budget by `compile_at`, peaks at most `limit`. Assumes the
+    compiled peak rises with the estimate; where it does not, a fitting step is still
+    found if the lowest fits."""
+    tried: list[tuple[str, Step]] = []
+    fits, over = -1, len(peaks)  # highest index known to fit, lowest known not to
+    start = sum(1 for p in peaks if p <= limit) - 1  # what the byte budget `limit` takes
+    k = min(max(start, 0), len(peaks) - 1)
+    while fits + 1 < over:
+        high = peaks[k + 1] if k + 1 < len(peaks) else math.inf
+        text = setting(peaks[k], high)
+        step = compile_at(text)
+        tried.append((text, step))
+        if step.peak_bytes is None:
+            break  # the compiler does not say its peak: nothing to land on
+        if step.peak_bytes <= limit:
+            fits = k
+        else:
+            over = k
+        k = (fits + over) // 2
+    return Landing(tuple(tried))
