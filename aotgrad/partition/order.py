@@ -110,22 +110,25 @@ def tied(graph: JointGraph, order: Sequence[int]) -> set[int]:
     `schedule.plan(order's equations, graph.backward)`'s groups, found as it finds them."""
     lk = links(graph)
     backward, readers, waits = lk.backward, lk.readers, lk.waits
-    position = {j: p for p, j in enumerate(order)}
-    first: list[int | None] = [None] * len(order)  # the first backward equation needing each
+    n = len(order)
+    position = [-1] * len(backward)  # per joint equation; -1: not in `order`
+    for p, j in enumerate(order):
+        position[j] = p
+    first = [n] * n  # the first backward equation needing each (n: none)
     members: dict[int, list[int]] = {}
-    for p in range(len(order) - 1, -1, -1):
+    for p in range(n - 1, -1, -1):
         j = order[p]
         if backward[j]:
             continue
-        best = None
+        best = n
         for r in readers[j]:
-            q = position.get(r)
-            if q is not None:
+            q = position[r]
+            if q >= 0:
                 f = q if backward[r] else first[q]
-                if f is not None and (best is None or f < best):
+                if f < best:
                     best = f
-        first[p] = best
-        if best is not None:
+        if best < n:
+            first[p] = best
             members.setdefault(best, []).append(p)
     head = next((p for p, j in enumerate(order) if backward[j] and lk.matmuls[j]), 0)  # `schedule._head`
     out: set[int] = set()
