@@ -194,7 +194,7 @@ def _untied_first(graph: JointGraph, idx: list[int]) -> tuple[list[int], int]:
     """The backward's equations (joint indices) as XLA runs them: recomputation that no
     group ties to a cotangent moves to the start (with what it reads, when that is untied
     too); and how many moved."""
-    waiting, backward, operands = order.tied(graph, idx), table(graph).backward, order.links(graph).operands
+    waiting, backward, operands = order.tied(graph, idx), table(graph).backward, order.links(graph).forward_operands
     early: list[int] = []
     late: list[int] = []
     made_late: set[int] = set()  # an equation reading what these make stays late too

@@ -117,6 +117,16 @@ class Problem:
         """Each forward value's position in `values`."""
         return {v: k for k, v in enumerate(self.values)}
 
+    @functools.cached_property
+    def eqn_position(self) -> dict[int, int]:
+        """Each forward equation's position in `eqns`, by its joint index."""
+        return {i: e for e, i in enumerate(self.eqns)}
+
+    @functools.cached_property
+    def value_ids(self) -> np.ndarray:
+        """Each forward value's number in the graph's `fusion.Deps`."""
+        return deps(self.graph).numbers(self.values)
+
     def kind_of_value(self, k: int) -> Kind:
         """The rule of the equation that produces value `k`."""
         return self.kinds[self.producer[k]]
@@ -286,8 +296,11 @@ class Cut:
         read = np.zeros(len(d.ids), bool)
         read[d.numbers(graph.grads)] = True
         read[d.read[np.isin(d.readers, self._live)]] = True
-        candidates = list(graph.inputs) + [v for v in self.problem.values if v in self.cut]
-        return tuple(v for v in candidates if read[d.ids[v]])
+        inputs = [v for v in graph.inputs if read[d.ids[v]]]
+        in_cut = np.zeros(len(d.ids), bool)
+        in_cut[d.numbers(self.cut)] = True
+        values = self.problem.value_ids
+        return tuple(inputs + [self.problem.values[k] for k in np.flatnonzero(in_cut[values] & read[values])])
 
     @functools.cached_property
     def activation_bytes(self) -> int:
@@ -297,7 +310,7 @@ class Cut:
     @functools.cached_property
     def recomputed(self) -> tuple[int, ...]:
         """Positions (in `problem.eqns`) of the forward equations the backward runs again."""
-        position = {i: e for e, i in enumerate(self.problem.eqns)}
+        position = self.problem.eqn_position
         return tuple(position[i] for i in self.backward_eqns if i in position)
 
     def reasons(self, why_cheaper: str = "cheaper to save than to recompute",

@@ -20,8 +20,8 @@ __all__ = ["Links", "links", "recompute_late", "tied"]
 
 
 class Links:
-    """Per joint equation (by index): the producers of its variable operands, the
-    equations that read its results, whether it is a backward equation
+    """Per joint equation (by index): the producers of its variable operands (and of those
+    computed in the forward), the equations that read its results, whether it is a backward equation
     (`JointGraph.is_backward_eqn`), a view (`schedule.VIEWS`) or a matmul."""
 
     def __init__(self, graph: JointGraph) -> None:
@@ -37,6 +37,8 @@ class Links:
         self.readers = [tuple(r) for r in readers]
         backward = graph.backward
         self.backward = [any(isinstance(v, Var) and v in backward for v in e.invars) for e in graph.eqns]
+        # The producers of each equation's forward operands: all a backward recomputes.
+        self.forward_operands = [tuple(p for p in ops if p >= 0 and not self.backward[p]) for ops in self.operands]
         self.views = [e.primitive in schedule.VIEWS for e in graph.eqns]
         self.matmuls = [e.primitive in MATMULS for e in graph.eqns]
 
@@ -75,12 +77,12 @@ def recompute_late(graph: JointGraph, idx: Sequence[int]) -> list[int]:
     equations in joint order, each recomputed forward equation just before its first use,
     so recomputed values do not live longer than they must."""
     lk = links(graph)
-    backward, operands = lk.backward, lk.operands
+    backward, operands = lk.backward, lk.forward_operands
     pending = {i for i in idx if not backward[i]}  # recomputed, not emitted yet
     order: list[int] = []
     for i in idx:
         if backward[i]:
-            if pending and any(p in pending for p in operands[i]):
+            if operands[i] and pending and any(p in pending for p in operands[i]):
                 _emit(i, operands, pending, order)
             else:  # nothing to recompute first
                 order.append(i)
