@@ -107,6 +107,11 @@ class Plan:
                              f"per device, or a lower-precision model may.", best.peak_bytes if best else None)
         return min(fits, key=_cost)
 
+    @property
+    def searched(self) -> dict[str, Row]:
+        """The steps `fit` compiled beyond the rows, by their byte budget setting."""
+        return dict(self._extra)
+
     def _compiled_at(self, setting: str) -> Row:
         """The aotgrad step at the byte budget `setting`, compiled once per setting."""
         if setting not in self._extra:
