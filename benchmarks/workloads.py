@@ -27,6 +27,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from benchmarks.stacks import stack
+
 __all__ = ["BUILDERS", "DTYPES", "Precision", "Workload", "build", "layer_norm"]
 
 Params = dict[str, Any]
@@ -408,6 +410,7 @@ BUILDERS: dict[str, Callable[..., tuple[LossFn, Params, Batch]]] = {
     "rnn": rnn,
     "gemma_nnx": gemma_nnx,
     "decoder_linen_scan": decoder_linen_scan,
+    "stack": stack,  # benchmarks/stacks.py: stacks written otherwise than `gpt`
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -39,6 +40,9 @@ def test_scanned_gpt_is_the_unrolled_gpt() -> None:
     ("transformer_block", dict(batch=2, seq=8, d_model=16, heads=2)), ("vit", VIT),
     ("convnet", dict(batch=2, image=8, channels=[4, 8], classes=3)),
     ("rnn", dict(batch=2, seq=4, d_in=3, hidden=5)),
+    ("stack", dict(batch=2, seq=8, d_model=16, heads=2, layers=2)),
+    ("stack", dict(batch=2, seq=8, d_model=16, heads=2, layers=2, norm="rms", mlp="swiglu", rotary=True,
+                   causal=True)),
 ])
 def test_layer_remat_changes_what_is_saved_not_the_values(kind: str, sizes: dict) -> None:
     plain = build(kind, kind, sizes)
@@ -213,3 +217,17 @@ def test_the_flax_decoders_as_workloads_in_float32_and_bf16(kind: str) -> None:
         assert found and all(_dtypes(e, "invars") == ["float32"] for e in found), name
     with pytest.raises(ValueError, match="jax.checkpoint"):
         build(kind, kind, FLAX, remat=jax.checkpoint)
+
+
+def test_a_stack_with_the_gpts_choices_is_the_gpts_block() -> None:
+    """`stack` with one fused qkv projection with biases, LayerNorm, GELU and a causal mask
+    is the GPT's block (`workloads._block`, written with einsum over (batch, seq, heads,
+    dim)), given the same weights: the transposed-heads attention is the same attention."""
+    from benchmarks.workloads import _block
+    w = build("s", "stack", dict(batch=2, seq=8, d_model=16, heads=4, layers=1, qkv="fused", bias=True,
+                                 causal=True))
+    p = w.params["blocks"][0]
+    gpt_params = {"ln1": p["norm1"], "qkv": p["qkv"], "proj": p["out"], "ln2": p["norm2"], "fc1": p["up"],
+                  "fc2": p["down"]}
+    want = jnp.mean(jnp.square(_block(gpt_params, w.batch["x"], heads=4) - w.batch["y"]))
+    _close(w.loss_fn(w.params, w.batch), want)

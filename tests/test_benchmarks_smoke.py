@@ -133,7 +133,7 @@ def test_new_partitioners_are_picked_up_and_failures_continue(tiny_suite: Path) 
 def test_suite_files_parse_and_sizes_fit_the_builders() -> None:
     from benchmarks import suite as suite_mod
     from benchmarks.workloads import BUILDERS
-    for name in ("cpu", "gpu", "gpu_x8", "tpu", "scan_budget", "held_out", "autocast"):
+    for name in ("cpu", "gpu", "gpu_x8", "tpu", "scan_budget", "held_out", "autocast", "stacks"):
         suite = suite_mod.load(ROOT / "config" / f"{name}.toml")
         assert suite.workloads and suite.strategies
         for w in suite.workloads:
