@@ -109,9 +109,10 @@ def test_collector_paused_restores_the_collector(enabled: bool) -> None:
 def test_backward_order_on_index_lists_is_plans(kind: str, sizes: dict, under_jit: bool, device: str | None) -> None:
     graph = _on(_graph(kind, sizes, under_jit), device)
     for cut in _candidates(Problem.priced(graph)):
-        idx = order.recompute_late(graph, cut.backward_eqns)
-        groups = schedule.plan([graph.eqns[i] for i in idx], graph.backward)
-        assert order.tied(graph, idx) == {p for g in groups for p in range(g.start, g.stop)}
+        backward = order.ordered(graph, cut.backward_eqns)
+        assert backward.order == recompute_late(graph, cut.backward_eqns)
+        groups = schedule.plan([graph.eqns[i] for i in backward.order], graph.backward)
+        assert backward.waiting == {p for g in groups for p in range(g.start, g.stop)}
 
 
 @pytest.mark.parametrize("kind,sizes", WORKLOADS)

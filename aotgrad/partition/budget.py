@@ -78,9 +78,9 @@ from jax.extend.core import Var
 from aotgrad.errors import BudgetUnreachable
 from aotgrad.partition.boundaries import boundaries, head, layer_points
 from aotgrad.partition.fusion import Programs, programs
+from aotgrad.partition.order import ordered
 from aotgrad.partition.peak import collector_paused, estimate
 from aotgrad.partition.rules import MATMULS, Kind
-from aotgrad.partition.split import recompute_late
 from aotgrad.partition.traffic import traffic as step_traffic
 
 if TYPE_CHECKING:  # min_cut imports scan, which imports scan_schedule from here
@@ -254,7 +254,8 @@ def matmul_outputs(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
 def _programs(cut: Cut) -> Programs:
     """The step's programs when `cut` is saved, its recomputation emitted late."""
     graph = cut.problem.graph
-    return programs(graph, cut.saved, recompute_late(graph, cut.backward_eqns))
+    backward = ordered(graph, cut.backward_eqns)
+    return programs(graph, cut.saved, backward.order, backward.waiting)
 
 
 @dataclasses.dataclass(frozen=True)

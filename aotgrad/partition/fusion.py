@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import Callable, Iterable, Sequence
+from typing import AbstractSet, Callable, Iterable, Sequence
 
 import numpy as np
 import scipy.sparse
@@ -164,13 +164,19 @@ def _duplicated(graph: JointGraph) -> Callable[[JaxprEqn], bool]:
     return functools.partial(duplicated, platform=None if graph.device is None else graph.device.platform)
 
 
-def programs(graph: JointGraph, saved: Sequence[Var], backward_order: Sequence[int]) -> Programs:
+def programs(graph: JointGraph, saved: Sequence[Var], backward_order: Sequence[int],
+             waiting: AbstractSet[int] | None = None) -> Programs:
     """The programs that save `saved` (joint values, inputs among them); `backward_order`:
-    the backward's equations (joint indices) in emitted order."""
+    the backward's equations (joint indices) in emitted order; `waiting`: the positions
+    there of recomputation tied to a cotangent (`order.ordered`), found with
+    `schedule.plan` if not given."""
     inputs = set(graph.inputs)
     activations = [v for v in saved if v not in inputs]
     fwd_idx = deps(graph).live(list(graph.outputs) + activations, np.zeros(0, np.int64)).tolist()
-    bwd_idx, moved = _untied_first(graph, list(backward_order))
+    if waiting is None:
+        groups = schedule.plan([graph.eqns[i] for i in backward_order], graph.backward)
+        waiting = {p for g in groups for p in range(g.start, g.stop)}
+    bwd_idx, moved = _untied_first(graph, list(backward_order), waiting)
     platform = None if graph.device is None else graph.device.platform
     if platform != "gpu":  # measured on XLA:GPU only (`reads`): elsewhere nothing moved counts
         moved = 0
@@ -190,11 +196,11 @@ def programs(graph: JointGraph, saved: Sequence[Var], backward_order: Sequence[i
     return Programs(runs, t.size, _duplicated(graph), graph)
 
 
-def _untied_first(graph: JointGraph, idx: list[int]) -> tuple[list[int], int]:
+def _untied_first(graph: JointGraph, idx: list[int], waiting: AbstractSet[int]) -> tuple[list[int], int]:
     """The backward's equations (joint indices) as XLA runs them: recomputation that no
-    group ties to a cotangent moves to the start (with what it reads, when that is untied
-    too); and how many moved."""
-    waiting, backward, operands = order.tied(graph, idx), table(graph).backward, order.links(graph).forward_operands
+    group ties to a cotangent (`waiting`: positions in `idx`) moves to the start (with what
+    it reads, when that is untied too); and how many moved."""
+    backward, operands = table(graph).backward, order.links(graph).forward_operands
     early: list[int] = []
     late: list[int] = []
     made_late: set[int] = set()  # an equation reading what these make stays late too

@@ -1,11 +1,13 @@
 """The backward's order, worked out on index lists built once per graph: a budget orders
 the backward of every candidate saved set (`split.recompute_late`) and finds which of its
 recomputation waits for a cotangent (`schedule.plan`'s groups), tens of times on one
-graph. Per saved set these are passes over the backward's equation indices only, not over
-the equations' variables.
+graph. Per saved set that is one depth-first pass over the backward's equation indices,
+not passes over the equations' variables: the recomputation that waits is read off the
+order as it is made (`ordered`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from typing import Sequence
@@ -16,7 +18,7 @@ from aotgrad.partition import schedule
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.rules import MATMULS
 
-__all__ = ["Links", "links", "recompute_late", "tied"]
+__all__ = ["Backward", "Links", "links", "ordered", "recompute_late"]
 
 
 class Links:
@@ -72,24 +74,51 @@ def links(graph: JointGraph) -> Links:
     return _LINKS[graph]
 
 
+@dataclasses.dataclass(frozen=True)
+class Backward:
+    """A backward in `recompute_late`'s order (joint indices), and the positions in it of
+    the recomputation that waits for a cotangent on one device: the members of
+    `schedule.plan(its equations, graph.backward)`'s groups."""
+    order: list[int]
+    waiting: frozenset[int]
+
+
 def recompute_late(graph: JointGraph, idx: Sequence[int]) -> list[int]:
     """Orders the backward's equations (joint indices `idx`): its own (cotangent-dependent)
     equations in joint order, each recomputed forward equation just before its first use,
     so recomputed values do not live longer than they must."""
+    return _late(links(graph), idx)[0]
+
+
+def ordered(graph: JointGraph, idx: Sequence[int]) -> Backward:
+    """`recompute_late`'s order, and which of its recomputation waits. The recomputation
+    emitted just before a backward equation C is what `schedule.plan` groups under C: C is
+    the first backward equation to need it (the backward's own equations keep their joint
+    order, and what an earlier one needed was emitted before it), and it is contiguous."""
     lk = links(graph)
+    order, runs = _late(lk, idx)
+    return Backward(order, _waiting(lk, order, runs))
+
+
+def _late(lk: Links, idx: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """`recompute_late`'s order, and the runs of recomputation emitted just before a
+    backward equation: positions [start, stop), the equation at stop."""
     backward, operands = lk.backward, lk.forward_operands
     pending = {i for i in idx if not backward[i]}  # recomputed, not emitted yet
     order: list[int] = []
+    runs: list[tuple[int, int]] = []
     for i in idx:
         if backward[i]:
             if operands[i] and pending and any(p in pending for p in operands[i]):
+                start = len(order)
                 _emit(i, operands, pending, order)
+                runs.append((start, len(order) - 1))
             else:  # nothing to recompute first
                 order.append(i)
     for i in idx:  # recomputed values returned directly as gradients
         if i in pending:
             _emit(i, operands, pending, order)
-    return order
+    return order, runs
 
 
 def _emit(root: int, operands: list[tuple[int, ...]], pending: set[int], order: list[int]) -> None:
@@ -106,40 +135,21 @@ def _emit(root: int, operands: list[tuple[int, ...]], pending: set[int], order: 
             stack.extend((p, False) for p in operands[i] if p in pending)
 
 
-def tied(graph: JointGraph, order: Sequence[int]) -> set[int]:
-    """The positions in `order` (a backward in `recompute_late`'s order, joint indices) of
-    the recomputed equations that wait for a cotangent on one device: the members of
-    `schedule.plan(order's equations, graph.backward)`'s groups, found as it finds them."""
-    lk = links(graph)
-    backward, readers, waits = lk.backward, lk.readers, lk.waits
-    n = len(order)
+def _waiting(lk: Links, order: list[int], runs: list[tuple[int, int]]) -> frozenset[int]:
+    """The runs of recomputation that wait, as `schedule.plan` keeps its groups: one with a
+    value to wait for, computed after the loss head (`schedule._head`) and before the run,
+    and not only views."""
+    backward, waits = lk.backward, lk.waits
     position = [-1] * len(backward)  # per joint equation; -1: not in `order`
     for p, j in enumerate(order):
         position[j] = p
-    first = [n] * n  # the first backward equation needing each (n: none)
-    members: dict[int, list[int]] = {}
-    for p in range(n - 1, -1, -1):
-        j = order[p]
-        if backward[j]:
-            continue
-        best = n
-        for r in readers[j]:
-            q = position[r]
-            if q >= 0:
-                f = q if backward[r] else first[q]
-                if f < best:
-                    best = f
-        if best < n:
-            first[p] = best
-            members.setdefault(best, []).append(p)
-    head = next((p for p, j in enumerate(order) if backward[j] and lk.matmuls[j]), 0)  # `schedule._head`
+    head = next((p for p, j in enumerate(order) if backward[j] and lk.matmuls[j]), 0)
     out: set[int] = set()
-    for c, group in members.items():
-        start, stop = group[-1], group[0] + 1  # found from the end: descending
-        w = waits[order[c]]
-        if w < 0 or not head <= position[w] < start or stop - start != len(group):
+    for start, stop in runs:
+        w = waits[order[stop]]
+        if w < 0 or not head <= position[w] < start:
             continue
-        if all(lk.views[order[p]] for p in group):
+        if all(lk.views[order[p]] for p in range(start, stop)):
             continue  # a view: free to run early (`schedule.plan`)
         out.update(range(start, stop))
-    return out
+    return frozenset(out)

@@ -87,42 +87,53 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 def program_peak(graph: JointGraph, run: Program) -> int:
     """`peak._program_peak(run...)` for a run that `supports` covers."""
     a, idx = arrays(graph), np.asarray(run.index, np.int64)
-    n = len(idx)
-    steps = np.arange(n)
-    counts = a.out_ptr[idx + 1] - a.out_ptr[idx]
-    made_at, made_var = np.repeat(steps, counts), a.out_var[_ranges(a.out_ptr[idx], counts)]
-    counts = a.in_ptr[idx + 1] - a.in_ptr[idx]
-    read_at, read_var = np.repeat(steps, counts), a.in_var[_ranges(a.in_ptr[idx], counts)]
-    read = _bindings(made_var, made_at, read_var, read_at, n)  # per read: the value, -1 an argument
-    first_read = np.full(n, -1, np.int64)  # per step: the value its first operand is
-    first_read[read_at[::-1]] = read[::-1]
+    made_at, made_var = _laid_out(idx, a.out_ptr, a.out_var)
+    read_at, read_var = _laid_out(idx, a.in_ptr, a.in_var)
+    read = _bindings(made_var, made_at, read_var, read_at, len(idx))  # per read: the value, -1 an argument
+    first_read = np.full(len(idx), -1, np.int64)  # per step: the value its first operand is
+    steps_read, first = np.unique(read_at, return_index=True)
+    first_read[steps_read] = read[first]
     ok = read >= 0
     read, read_at, read_var = read[ok], read_at[ok], read_var[ok]
-    m = len(made_var)
-    written = np.bincount(read, minlength=m) > 1  # a second reader, or one that does not fuse it
+    written, last = _writes(a, idx, len(made_var), read, read_at, first_read)
+    arg_ids, out_ids = deps(graph).numbers(run.args), deps(graph).numbers(run.outs)
+    kept = np.zeros(len(a.size), bool)
+    kept[arg_ids] = kept[out_ids] = True
+    held = ~kept[made_var] & ~(a.fused[idx[made_at]] & ~written)  # temporaries XLA writes
+    start = made_at.copy()
+    _take_buffers(a, idx, held, last, made_var, made_at, read, read_var, read_at, start)
+    free = np.where(last >= 0, last, made_at)  # after its last reader, or at once
+    size = a.size[made_var]
+    live = np.zeros(len(idx) + 1, np.int64)
+    np.add.at(live, start[held], size[held])
+    np.add.at(live, free[held] + 1, -size[held])
+    unique_args = np.unique(arg_ids)
+    fixed = a.size[unique_args].sum() + a.size[np.setdiff1d(out_ids, unique_args)].sum()
+    return int(fixed) + int(np.cumsum(live[:-1]).max(initial=0))
+
+
+def _laid_out(idx: np.ndarray, ptr: np.ndarray, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The entries of `flat` (laid out per joint equation by `ptr`) of the equations `idx`,
+    in turn, and the step (position in `idx`) of each."""
+    counts = ptr[idx + 1] - ptr[idx]
+    return np.repeat(np.arange(len(idx)), counts), flat[_ranges(ptr[idx], counts)]
+
+
+def _writes(a: Arrays, idx: np.ndarray, m: int, read: np.ndarray, read_at: np.ndarray,
+            first_read: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Of the `m` values made: which XLA writes (a second read, or one by an equation that
+    does not fuse it; a split's operand whose part is read), and each one's last reader
+    (-1: none), as `fusion.reads` finds them."""
+    written = np.bincount(read, minlength=m) > 1
     written |= np.bincount(read[~a.read_fuses[idx[read_at]]], minlength=m) > 0
     last = np.full(m, -1, np.int64)
     np.maximum.at(last, read, read_at)
     if a.splits[idx].any():  # a split's parts are read from its operand: it is written and lives on
-        part_of = _split_operands(a, idx, first_read, m)
-        through = part_of[read]
+        through = _split_operands(a, idx, first_read, m)[read]
         into = through >= 0
         written[through[into]] = True
         np.maximum.at(last, through[into], read_at[into])
-    arg_ids, out_ids = deps(graph).numbers(run.args), deps(graph).numbers(run.outs)
-    kept = np.zeros(len(a.size), bool)
-    kept[arg_ids] = kept[out_ids] = True
-    held = ~kept[made_var] & ~(a.fused[idx[made_at]] & ~written)
-    start = made_at.copy()
-    _take_buffers(a, idx, held, last, made_var, made_at, read, read_var, read_at, start)
-    free = np.where(last >= 0, last, made_at)
-    size = a.size[made_var]
-    live = np.zeros(n + 1, np.int64)
-    np.add.at(live, start[held], size[held])
-    np.add.at(live, free[held] + 1, -size[held])
-    peak = max(int(np.cumsum(live[:n]).max(initial=0)), 0)
-    unique_args = np.unique(arg_ids)
-    return int(a.size[unique_args].sum() + a.size[np.setdiff1d(out_ids, unique_args)].sum()) + peak
+    return written, last
 
 
 def _bindings(made_var: np.ndarray, made_at: np.ndarray, read_var: np.ndarray, read_at: np.ndarray,
