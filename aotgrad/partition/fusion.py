@@ -37,7 +37,8 @@ from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.rules import Kind, duplicated, kind_of
 from aotgrad.partition.shards import per_device_bytes
 
-__all__ = ["FUSED", "READ_FUSED", "Deps", "Program", "Programs", "Reads", "Row", "Value", "deps", "programs", "reads", "rows"]
+__all__ = ["FUSED", "READ_FUSED", "Deps", "Program", "Programs", "Reads", "Row", "Value", "deps", "programs", "reads",
+           "rows"]
 
 FUSED = (Kind.CHEAP, Kind.MOVE)  # equations XLA fuses into their readers
 READ_FUSED = FUSED + (Kind.REDUCE,)  # readers a single elementwise producer fuses into
@@ -185,7 +186,8 @@ def programs(graph: JointGraph, saved: Sequence[Var], backward_order: Sequence[i
     t, eqns = table(graph), graph.eqns
 
     def run(idx: list[int], *rest: object) -> Program:
-        return Program([eqns[i] for i in idx], *rest, rows=[t.rows[i] for i in idx], index=idx)  # type: ignore[arg-type]
+        return Program([eqns[i] for i in idx], *rest, rows=[t.rows[i] for i in idx],  # type: ignore[arg-type]
+                       index=idx)
 
     if graph.staged:  # one program: the saved values are its temporaries
         runs = (run(fwd_idx + bwd_idx, args + cotangents, outs + grads,
