@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -113,13 +114,21 @@ def _child(spec: dict) -> dict:
             "device_kind": device.device_kind, "jax": jax.__version__}
 
 
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Unreachable|Interrupt|Exit)\b")
+
+
+def _exception_line(stderr: str) -> str:
+    """The line naming the exception that ended a child (JAX appends a note after it)."""
+    lines = stderr.strip().splitlines() or ["(no output)"]
+    return next((ln for ln in reversed(lines) if _EXCEPTION.match(ln)), lines[-1])
+
+
 def _run_child(spec: dict, env: dict) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.on_device", f"--child={json.dumps(spec)}"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
-        tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return {"error": f"exit {p.returncode}: {tail}"}
+        return {"error": f"exit {p.returncode}: {_exception_line(p.stderr)}"}
     return json.loads(lines[-1])
 
 
@@ -184,7 +193,7 @@ def main(argv: Sequence[str]) -> None:
         return
     from benchmarks import suite as suite_mod
     from benchmarks.strategies import applicable
-    from benchmarks.targets import target_strategies
+    from benchmarks.targets import select_target_strategies
     from benchmarks.workloads import build
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or tempfile.mkdtemp(prefix="aotgrad_xla_cache_")
     # Preallocation off: the processes share the device.
@@ -192,9 +201,11 @@ def main(argv: Sequence[str]) -> None:
     os.environ.update(env)
     suite = suite_mod.load(FLAGS.suite)
     specs, messages = suite_mod.select_workloads(suite.workloads, FLAGS.workloads)
-    for m in messages:
-        log(m)
-    strategies = FLAGS.strategies or target_strategies()
+    strategies, errors = select_target_strategies(FLAGS.strategies)
+    if messages or errors:  # a pattern that matches nothing: nothing it meant would be run
+        for m in messages + errors:
+            print(f"benchmarks.on_device: {m}", file=sys.stderr)
+        sys.exit(2)
     rows: list[DeviceRow] = []
     info: dict = {"messages": []}
     found: dict[str, list[tuple[str, dict]]] = {}  # workload -> (strategy, its own process's result)

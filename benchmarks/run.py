@@ -32,7 +32,8 @@ from benchmarks import peers_torch, report, suite as suite_mod
 from benchmarks.measure import interleaved, steps_for, summarize, time_steps
 from benchmarks.records import Row, machine_info, now, versions
 from benchmarks.strategies import (AOTGRAD_PREFIX, PARAMETERIZED, Prepared, applicable, expand, first_line,
-                                  max_relative_error, name_error, prepare)
+                                  max_relative_error, name_error, narrow, prepare)
+from benchmarks.targets import select_target_strategies
 from benchmarks.workloads import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,36 +95,6 @@ def select_strategies(suite: suite_mod.Suite, only: Sequence[str] | None,
         return names, notes, []
     names, errors = narrow(names, only, lambda pat: expand([pat]))
     return names, notes, errors
-
-
-def narrow(names: list[str], only: Sequence[str],
-           extend: Callable[[str], tuple[list[str], list[str]]]) -> tuple[list[str], list[str]]:
-    """`names` matching a pattern of `only` (`--strategies`), then what `extend` finds for a
-    pattern that matches none of them (a strategy the suite does not list, a budget named on
-    the command line); and one error per pattern that matched nothing, naming the known
-    names (and, for an `aotgrad:` name, why it names no strategy)."""
-    extra: list[str] = []
-    errors: list[str] = []
-    for pat in only:
-        if not any(fnmatch.fnmatchcase(n, pat) for n in names):
-            hits, _ = extend(pat)
-            if hits:
-                extra += [h for h in hits if h not in extra]
-            else:
-                why = name_error(pat) if pat.startswith(PARAMETERIZED) else None
-                errors.append(f"--strategies: {pat!r} matches none of {names}" + (f": {why}" if why else ""))
-    return [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in only)] + extra, errors
-
-
-def select_target_strategies(only: Sequence[str] | None) -> tuple[list[str], list[str]]:
-    """A target table's strategies (`--target`), narrowed to `only` with any aotgrad budget
-    or autocast strategy (`autocast:bf16`, `autocast:fp16@0.5`) named there, and one error per
-    pattern that matched nothing (as `select_strategies`)."""
-    from benchmarks.targets import target_strategies
-    names = target_strategies()
-    if not only:
-        return names, []
-    return narrow(names, only, lambda pat: expand([pat]) if pat.startswith(PARAMETERIZED) else ([], []))
 
 
 def select_workloads(suite: suite_mod.Suite, only: Sequence[str] | None

@@ -43,7 +43,7 @@ from benchmarks.workloads import Workload, build
 
 __all__ = ["AOTGRAD_PREFIX", "AUTOCAST_PREFIX", "Autocast", "BASE_STRATEGIES", "BuildSeconds", "CHECKPOINT_POLICIES",
            "Prepared", "ProgramMemory", "SavedBytes", "aotgrad_options", "autocast_strategy", "available",
-           "applicable", "check_applies", "checkpointed", "expand", "first_line", "name_error", "not_applicable", "prepare",
+           "applicable", "check_applies", "checkpointed", "expand", "first_line", "name_error", "narrow", "not_applicable", "prepare",
            "split_budget", "xla_peak"]
 
 AOTGRAD_PREFIX = "aotgrad:"
@@ -475,3 +475,22 @@ def max_relative_error(grads: Any, reference: Any) -> float:
         err = float(jnp.max(jnp.abs(jnp.asarray(g, jnp.float32) - r)))
         worst = max(worst, err / scale if scale > 0 else err)
     return worst
+
+
+def narrow(names: list[str], only: Sequence[str],
+           extend: Callable[[str], tuple[list[str], list[str]]]) -> tuple[list[str], list[str]]:
+    """`names` matching a pattern of `only` (`--strategies`), then what `extend` finds for a
+    pattern that matches none of them (a strategy the suite does not list, a budget named on
+    the command line); and one error per pattern that matched nothing, naming the known
+    names (and, for an `aotgrad:` name, why it names no strategy)."""
+    extra: list[str] = []
+    errors: list[str] = []
+    for pat in only:
+        if not any(fnmatch.fnmatchcase(n, pat) for n in names):
+            hits, _ = extend(pat)
+            if hits:
+                extra += [h for h in hits if h not in extra]
+            else:
+                why = name_error(pat) if pat.startswith(PARAMETERIZED) else None
+                errors.append(f"--strategies: {pat!r} matches none of {names}" + (f": {why}" if why else ""))
+    return [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in only)] + extra, errors

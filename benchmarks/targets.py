@@ -35,11 +35,12 @@ from aotgrad.planning.measure import async_slice_excess, measure
 from aotgrad.planning.place import per_device_bytes, place
 from aotgrad.targets import resolve as resolve_target
 from benchmarks.strategies import (AOTGRAD_PREFIX, AUTOCAST_PREFIX, CHECKPOINT_PREFIX, CHECKPOINT_STRATEGIES,
-                                   aotgrad_options, applicable, autocast_strategy, check_applies, checkpointed)
+                                   PARAMETERIZED, aotgrad_options, applicable, autocast_strategy, check_applies,
+                                   checkpointed, expand, narrow)
 from benchmarks.workloads import Workload, build
 
 __all__ = ["TargetRow", "async_slice_excess", "compile_step", "device_type", "format_rows", "plot", "run_target",
-           "step_and_context", "target_strategies"]
+           "select_target_strategies", "step_and_context", "target_strategies"]
 
 BUDGETS = (1.0, 0.5, 0.2, 0.0)
 
@@ -203,3 +204,13 @@ def use_cpu_for_arrays() -> None:
     """With a compiler plugin installed and no accelerator, arrays must live on the CPU."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     jax.config.update("jax_platforms", "cpu")
+
+
+def select_target_strategies(only: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """A target table's strategies (`--target`), narrowed to `only` with any aotgrad budget
+    or autocast strategy (`autocast:bf16`, `autocast:fp16@0.5`) named there, and one error per
+    pattern that matched nothing (as `select_strategies`)."""
+    names = target_strategies()
+    if not only:
+        return names, []
+    return narrow(names, only, lambda pat: expand([pat]) if pat.startswith(PARAMETERIZED) else ([], []))

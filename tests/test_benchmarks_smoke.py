@@ -198,12 +198,12 @@ def test_plot_without_matplotlib_is_reported_before_the_run(tiny_suite: Path, tm
 def test_on_device_run_reports_each_strategy_and_continues_past_failures(tmp_path: Path) -> None:
     """`benchmarks.on_device` (the real step on this machine's accelerator), here on the host:
     each strategy in its own process, then interleaved timing; a strategy that cannot be
-    built is a row that says why, and the others still run."""
+    built (a byte budget below every plan) is a row that says why, and the others still run."""
     suite = tmp_path / "cli.toml"
     suite.write_text(CLI_SUITE)
     out = tmp_path / "on_device.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.on_device", f"--suite={suite}", f"--out={out}",
-                           "--workloads=tiny_mlp", "--strategies=fused,aotgrad:min_cut@0,aotgrad:not_a_partitioner",
+                           "--workloads=tiny_mlp", "--strategies=fused,aotgrad:min_cut@0,aotgrad:min_cut@1KB",
                            "--steps=1", "--rounds=2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -211,10 +211,10 @@ def test_on_device_run_reports_each_strategy_and_continues_past_failures(tmp_pat
     data = json.loads(out.read_text())
     assert data["info"]["profile"] == "cpu" and data["info"]["jax"]
     rows = {r["strategy"]: r for r in data["rows"]}
-    assert list(rows) == ["fused", "aotgrad:min_cut@0", "aotgrad:not_a_partitioner"]
+    assert list(rows) == ["fused", "aotgrad:min_cut@0", "aotgrad:min_cut@1KB"]
     from benchmarks.workloads import build
     w = build("tiny_mlp", "mlp", {"batch": 4, "width": 8, "depth": 2})
-    assert "not_a_partitioner" in rows["aotgrad:not_a_partitioner"]["error"]
+    assert "1,000 bytes cannot be met" in rows["aotgrad:min_cut@1KB"]["error"]  # a budget no plan meets
     for name in ("fused", "aotgrad:min_cut@0"):
         r = rows[name]
         assert r["error"] is None
@@ -439,6 +439,20 @@ def test_a_pattern_that_matches_nothing_is_an_error(args: list[str], named: list
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert all(n in proc.stderr for n in named), proc.stderr[-2000:]
     assert "building" not in proc.stderr and not proc.stdout
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--workloads=nonexistent"], ["--workloads: 'nonexistent' matches none of", "'gpt'"]),
+    (["--strategies=fused,aotgrad:mincut"], ["--strategies: 'aotgrad:mincut' matches none of",
+                                             "'mincut' is not registered"])])
+def test_a_pattern_that_matches_nothing_on_the_device_is_an_error(args: list[str], named: list[str]) -> None:
+    """`benchmarks.on_device` as `benchmarks.run`: a typo exits 2 before any step is built."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.on_device", "--suite=config/gpu.toml", *args,
+                           "--out=/nonexistent/never_written.json"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert all(n in proc.stderr for n in named), proc.stderr[-2000:]
+    assert "own process" not in proc.stderr and not proc.stdout
 
 
 @pytest.mark.parametrize("args, named", [(["--devices=8", "--sharding=fsdp"], "--devices and --sharding"),
