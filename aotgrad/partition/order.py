@@ -27,7 +27,7 @@ class Links:
     (`JointGraph.is_backward_eqn`), a view (`schedule.VIEWS`) or a matmul."""
 
     def __init__(self, graph: JointGraph) -> None:
-        self.graph = graph
+        self._graph = weakref.ref(graph)  # not kept alive by its own entry in `_LINKS`
         producer = graph.producer
         self.operands: list[tuple[int, ...]] = [
             tuple(producer.get(v, -1) for v in e.invars if isinstance(v, Var)) for e in graph.eqns]
@@ -51,7 +51,8 @@ class Links:
         `schedule._smallest_source`), -1 if none. The same in every order
         `recompute_late` gives: there the backward's own equations keep their joint order,
         so the latest-computed backward operand is the latest in the joint graph."""
-        graph = self.graph
+        graph = self._graph()
+        assert graph is not None  # the graph is alive while its `Links` are used
         eqns, producer, backward = graph.eqns, graph.producer, graph.backward
         out = {}
         for c, is_bwd in enumerate(self.backward):
