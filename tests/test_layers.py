@@ -17,7 +17,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("_jax_internals", "errors", "jit_key", "devices", "loss_scale", "targets"),
     "core IR": ("interpret", "signature", "partition.rules", "partition.costs", "partition.graph",
                 "partition.zeros", "partition.shards", "partition.schedule", "provenance", "trace"),
-    "passes": ("partition", "partition.split", "partition.boundaries", "partition.fusion", "partition.peak", "partition.traffic", "partition.budget",
+    "passes": ("partition", "partition.split", "partition.boundaries", "partition.fusion", "partition.order", "partition.peak_arrays", "partition.peak", "partition.traffic", "partition.budget",
                "partition.vjp", "partition.scan", "partition.min_cut",
                "autocast", "autocast.context", "autocast.policy", "autocast.counts", "autocast.bodies", "autocast.rewrite",
                "autocast.transform"),
@@ -25,7 +25,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "runtime": ("hooks", "anomaly", "runtime", "entry"),
     "api": ("nnx", "api", "api.stages", "api.cache", "api.function", "api.fwd_bwd"),
     "tools": ("report", "export", "export.blob", "export.programs", "export.loaded", "export.build",
-              "planning", "planning.place", "planning.steps", "planning.measure", "planning.table",
+              "planning", "planning.place", "planning.steps", "planning.measure", "planning.land", "planning.table",
               "planning.build"),
     "face": ("",),
 }

@@ -37,8 +37,8 @@ The candidates:
   frees it once the head's gradient is made, and so does the estimate. A GPT with D=1024,
   whose peak is in a layer's backward, keeps it at budget 0 in a jitted step; on GPT-2
   small XLA merges the recomputed logits' matmul with the forward's (`schedule._head`),
-  and budget 0 is the same step with or without these cuts (docs/benchmarks.md). (With
-  every point free as well as the head, 8 data-parallel H100s peaked 1.4x higher.)
+  and budget 0 is the same step with or without these cuts (docs/benchmarks.md). (With every
+  point free as well as the head, 8 data-parallel H100s peaked 1.4x higher.)
 - The shapes of the checkpoint policies: every matmul output (`dots_saveable`) or those
   without batch dimensions (`dots_with_no_batch_dims_saveable`) free to save, with no
   layer point, every one or every second free beside them (`policy_points`), and the
@@ -253,9 +253,8 @@ def matmul_outputs(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
 
 def _programs(cut: Cut) -> Programs:
     """The step's programs when `cut` is saved, its recomputation emitted late."""
-    graph = cut.problem.graph
-    backward = ordered(graph, cut.backward_eqns)
-    return programs(graph, cut.saved, backward.order, backward.waiting)
+    backward = ordered(cut.problem.graph, cut.backward_eqns)
+    return programs(cut.problem.graph, cut.saved, backward.order, backward.waiting)
 
 
 @dataclasses.dataclass(frozen=True)
