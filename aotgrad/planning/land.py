@@ -22,12 +22,10 @@ import dataclasses
 import math
 from typing import Callable, Protocol, Sequence
 
-from aotgrad.partition.budget import choices
-from aotgrad.partition.fusion import programs
+from aotgrad.partition.budget import _programs, choices
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import Problem
 from aotgrad.partition.peak import collector_paused, estimate
-from aotgrad.partition.split import recompute_late
 
 __all__ = ["Landing", "land", "levels", "setting"]
 
@@ -50,8 +48,7 @@ def levels(graph: JointGraph) -> list[int]:
     problem = Problem.priced(graph)
     with collector_paused():
         ladder = [c.peak for c in choices(problem)]
-    top = problem.top_cut(stacked=False)
-    highest = estimate(programs(graph, top.saved, recompute_late(graph, top.backward_eqns)))
+    highest = estimate(_programs(problem.top_cut(stacked=False)))  # as `within_budget` weighs it
     return sorted({p for p in ladder if p < highest}) + [highest]  # above it, budget 1's plan
 
 
