@@ -89,6 +89,7 @@ def _run_serially(paths: list[str], what: str, timeout: float) -> str:
     and returns the output."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
+    env.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)  # XLA:GPU as users run it (tests/conftest.py)
     proc = subprocess.run([sys.executable, "-m", "pytest", *paths, "-n", "0", "-p", "no:cacheprovider", "-rfEs",
                            "--tb=short", "-W", "ignore::DeprecationWarning"],
                           capture_output=True, text=True, env=env, cwd=HERE.parent, timeout=timeout)
