@@ -14,7 +14,7 @@ from aotgrad.api import compile as aot_compile
 from aotgrad.config import config
 from aotgrad.devices import profile_of
 from aotgrad.errors import BudgetUnreachable, ConfigError
-from aotgrad.planning.land import levels
+from aotgrad.planning.land import has_scan, levels
 from aotgrad.planning.measure import Measured, estimate_step_s, measure
 from aotgrad.planning.place import Placed, place
 from aotgrad.planning.steps import Step, is_nnx_module, optimizer_specs
@@ -145,16 +145,24 @@ def plan(fn: Callable[..., Any], *args: Any, target: Any = "h100", devices: int 
             return row("aotgrad", limit)
         except BudgetUnreachable:
             return None
+    unscanned: list[list[int]] = []  # the levels of a step with no scan: the same at every limit
+
     def byte_levels(limit: int) -> list[int]:
         """The ladder of the step's function with its scans cut at `limit` (a scan's body is
         cut before the step's graph is traced); at budget 0 where no plan's estimate is that
-        low (the compiled peak may still be)."""
+        low (the compiled peak may still be). Traced once where the step has no scan."""
+        if unscanned:
+            return unscanned[0]
         for budget in (limit, 0.0):
             try:
                 with config.patch(activation_memory_budget=budget):
-                    return levels(aot_compile(step.loss).trace(*step.arguments()).pair(0, under_jit=True).graph)
+                    graph = aot_compile(step.loss).trace(*step.arguments()).pair(0, under_jit=True).graph
             except BudgetUnreachable:
                 continue
+            found = levels(graph)
+            if not has_scan(graph.closed.jaxpr):
+                unscanned.append(found)
+            return found
         raise AssertionError("budget 0 is always reachable")
     return Plan(resolved.name, devices, mode, _versions(), rows, compile_budget, byte_levels)
 

@@ -22,12 +22,16 @@ import dataclasses
 import math
 from typing import Callable, Protocol, Sequence
 
+import jax.extend.core.primitives as P
+from jax.extend.core import Jaxpr
+
+from aotgrad.interpret import sub_jaxprs
 from aotgrad.partition.budget import _programs, choices
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import Problem
 from aotgrad.partition.peak import collector_paused, estimate
 
-__all__ = ["Landing", "land", "levels", "setting"]
+__all__ = ["Landing", "has_scan", "land", "levels", "setting"]
 
 
 class Step(Protocol):
@@ -50,6 +54,12 @@ def levels(graph: JointGraph) -> list[int]:
         ladder = [c.peak for c in choices(problem)]
     highest = estimate(_programs(problem.top_cut(stacked=False)))  # as `within_budget` weighs it
     return sorted({p for p in ladder if p < highest}) + [highest]  # above it, budget 1's plan
+
+
+def has_scan(jaxpr: Jaxpr) -> bool:
+    """Whether a scan is anywhere in `jaxpr`. A scan's body is cut at the budget before the
+    step's graph is traced, so only then do the levels depend on the limit they are traced at."""
+    return any(e.primitive is P.scan_p or any(map(has_scan, sub_jaxprs(e))) for e in jaxpr.eqns)
 
 
 _UNITS = (("GB", 10 ** 9), ("MB", 10 ** 6), ("KB", 10 ** 3), ("B", 1))
