@@ -146,23 +146,30 @@ def plan(fn: Callable[..., Any], *args: Any, target: Any = "h100", devices: int 
         except BudgetUnreachable:
             return None
     unscanned: list[list[int]] = []  # the levels of a step with no scan: the same at every limit
+    scanned: list[bool] = []  # whether the step holds a scan, once traced
+
+    def joint_graph(budget: Any) -> Any:
+        with config.patch(activation_memory_budget=budget):
+            return aot_compile(step.loss).trace(*step.arguments()).pair(0, under_jit=True).graph
 
     def byte_levels(limit: int) -> list[int]:
         """The ladder of the step's function with its scans cut at `limit` (a scan's body is
         cut before the step's graph is traced); at budget 0 where no plan's estimate is that
-        low (the compiled peak may still be). Traced once where the step has no scan."""
+        low (the compiled peak may still be). A step with no scan is traced once, at budget
+        1 (the fused step's plan: no ladder is built while tracing), its levels kept."""
         if unscanned:
             return unscanned[0]
-        for budget in (limit, 0.0):
+        if not scanned:
+            graph = joint_graph(1.0)
+            scanned.append(has_scan(graph.closed.jaxpr))
+            if not scanned[0]:
+                unscanned.append(levels(graph))
+                return unscanned[0]
+        for budget in (f"{limit}B", 0.0):  # bytes, also where `limit` is 1 (as a fraction: budget 1)
             try:
-                with config.patch(activation_memory_budget=budget):
-                    graph = aot_compile(step.loss).trace(*step.arguments()).pair(0, under_jit=True).graph
+                return levels(joint_graph(budget))
             except BudgetUnreachable:
                 continue
-            found = levels(graph)
-            if not has_scan(graph.closed.jaxpr):
-                unscanned.append(found)
-            return found
         raise AssertionError("budget 0 is always reachable")
     return Plan(resolved.name, devices, mode, _versions(), rows, compile_budget, byte_levels)
 
