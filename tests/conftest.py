@@ -27,8 +27,7 @@ import pytest
 # which the tests assert, are the same either way (tests/test_compile_setting.py checks it).
 # Set here, before any test module imports JAX, so subprocesses inherit it; the cases
 # compiled for a compile-only H100 run with the defaults (tests/test_gpu_target.py).
-COMPILE_SETTING = "JAX_DISABLE_MOST_OPTIMIZATIONS"
-os.environ.setdefault(COMPILE_SETTING, "true")
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")
 
 HERE = pathlib.Path(__file__).resolve().parent
 

@@ -145,8 +145,8 @@ def plan(fn: Callable[..., Any], *args: Any, target: Any = "h100", devices: int 
             return row("aotgrad", limit)
         except BudgetUnreachable:
             return None
-    unscanned: list[list[int]] = []  # the levels of a step with no scan: the same at every limit
-    scanned: list[bool] = []  # whether the step holds a scan, once traced
+    # After the first trace: the levels of a step with no scan (the same at every limit), or None.
+    first: list[list[int] | None] = []
 
     def joint_graph(budget: Any) -> Any:
         with config.patch(activation_memory_budget=budget):
@@ -157,14 +157,11 @@ def plan(fn: Callable[..., Any], *args: Any, target: Any = "h100", devices: int 
         cut before the step's graph is traced); at budget 0 where no plan's estimate is that
         low (the compiled peak may still be). A step with no scan is traced once, at budget
         1 (the fused step's plan: no ladder is built while tracing), its levels kept."""
-        if unscanned:
-            return unscanned[0]
-        if not scanned:
+        if not first:
             graph = joint_graph(1.0)
-            scanned.append(has_scan(graph.closed.jaxpr))
-            if not scanned[0]:
-                unscanned.append(levels(graph))
-                return unscanned[0]
+            first.append(None if has_scan(graph.closed.jaxpr) else levels(graph))
+        if first[0] is not None:
+            return first[0]
         for budget in (f"{limit}B", 0.0):  # bytes, also where `limit` is 1 (as a fraction: budget 1)
             try:
                 return levels(joint_graph(budget))
