@@ -48,8 +48,8 @@ def test_each_saved_set_is_estimated_once(monkeypatch: pytest.MonkeyPatch, under
     problem = Problem.priced(_graph(*WORKLOADS[0], under_jit))
     distinct = {frozenset(c.saved) for c in _candidates(problem)}
     estimated: list[frozenset] = []
-    real = budget._programs
-    monkeypatch.setattr(budget, "_programs", lambda cut: estimated.append(frozenset(cut.saved)) or real(cut))
+    real = budget.step_programs
+    monkeypatch.setattr(budget, "step_programs", lambda cut: estimated.append(frozenset(cut.saved)) or real(cut))
     choices(Problem.priced(problem.graph))
     assert len(_candidates(problem)) > len(distinct)  # the ladder does repeat itself here
     assert sorted(map(sorted_names, estimated)) == sorted(map(sorted_names, distinct))
@@ -123,7 +123,7 @@ def test_peak_on_arrays_is_the_peak_followed_in_python(kind: str, sizes: dict, u
     graph = _on(_graph(kind, sizes, under_jit), device)
     covered = 0
     for cut in _candidates(Problem.priced(graph)):
-        step = budget._programs(cut)
+        step = budget.step_programs(cut)
         for run in step.runs:
             expected = _program_peak(run.eqns, run.args, run.outs, step.size, step.recomputed_in_readers, run.early)
             if peak_arrays.supports(graph, run):

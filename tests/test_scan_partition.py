@@ -299,7 +299,7 @@ def test_scan_schedule_levels_by_hand() -> None:
     Peak estimates: every 1: 26; every 2: 7 x 2 + 2 x 2 = 18; every 3: 5 x 2 + 3 x 2 = 16;
     every 4: 4 x 2 + 4 x 2 = 16, not lower: the levels stop at every 3 (5 carries, 10
     bytes). B0 = 10, B1 = 13 x 4 = 52, limit = 10 + budget x 42."""
-    from aotgrad.partition.budget import ScanSchedule, scan_schedule
+    from aotgrad.partition.scan_levels import ScanSchedule, scan_schedule
     at = functools.partial(scan_schedule, 13, 2, (2, 4), 0)
     assert at(0.0) == ScanSchedule(0.0, 3)
     assert at(0.1) == ScanSchedule(0.0, 2)  # limit 14.2: 7 carries fit, 13 x 2 do not
@@ -318,7 +318,7 @@ def test_scan_schedule_prices_a_shorter_last_segment() -> None:
     `xs` and `ys` once more (+ 30 x 1): 158, no lower than every 3rd, so it is no level;
     every 5th 6 x 10 + 5 x 12 = 120. Budget 0.05: limit 60 + 0.05 x (600 - 60) = 87, which
     8 carries would fit: every 5th (6). Without slices nothing is copied: every 4th."""
-    from aotgrad.partition.budget import ScanSchedule, scan_schedule
+    from aotgrad.partition.scan_levels import ScanSchedule, scan_schedule
     assert scan_schedule(30, 10, (10, 20), 1, 0.05) == ScanSchedule(0.0, 5)
     assert scan_schedule(30, 10, (10, 20), 0, 0.05) == ScanSchedule(0.0, 4)
 

@@ -58,7 +58,7 @@ speed all rise with the budget. Cheaper: by the min cut's per-value costs, or wh
 device says so (`DeviceProfile.ranks_by_traffic`: GPUs) by the bytes the whole step is
 estimated to move (`traffic.py`: a saved value read by several kernels costs each read).
 
-A scan extends its body's ladder below "save only the carries" (`scan_schedule`): the
+A scan extends its body's ladder below "save only the carries" (`scan_levels`): the
 carry is saved every k-th iteration and the backward recomputes each segment of k
 iterations from its checkpoint (nested remat, k up to about sqrt(n)).
 """
@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import re
 from fractions import Fraction
 from typing import TYPE_CHECKING, Union
@@ -83,11 +82,11 @@ from aotgrad.partition.peak import collector_paused, estimate
 from aotgrad.partition.rules import MATMULS, Kind
 from aotgrad.partition.traffic import traffic as step_traffic
 
-if TYPE_CHECKING:  # min_cut imports scan, which imports scan_schedule from here
+if TYPE_CHECKING:  # min_cut imports scan, which imports Budget from here
     from aotgrad.partition.min_cut import Cut, Problem
 
-__all__ = ["FUSED_REASON", "GREEDY_STEPS", "PRICES", "Budget", "Bytes", "Choice", "ScanSchedule", "choices",
-           "is_fused_plan", "ladder", "matmul_outputs", "parse_bytes", "policy_points", "scan_schedule", "within_budget"]
+__all__ = ["FUSED_REASON", "GREEDY_STEPS", "PRICES", "Budget", "Bytes", "Choice", "candidates", "choices",
+           "is_fused_plan", "ladder", "matmul_outputs", "parse_bytes", "policy_points", "step_programs", "within_budget"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +250,7 @@ def matmul_outputs(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(every, np.int64), np.asarray(unbatched, np.int64)
 
 
-def _programs(cut: Cut) -> Programs:
+def step_programs(cut: Cut) -> Programs:
     """The step's programs when `cut` is saved, its recomputation emitted late."""
     backward = ordered(cut.problem.graph, cut.backward_eqns)
     return programs(cut.problem.graph, cut.saved, backward.order, backward.waiting)
@@ -283,14 +282,10 @@ class Choice:
         return self.cost < other.cost
 
 
-def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
-    """The candidates a budget chooses from, by estimated peak from lowest to highest
-    (the cheapest cut last): each cheaper to run and saving no fewer bytes than the one
-    before, so that the step's peak, the saved bytes and the speed all rise with the
-    budget. The cheapest cut comes first in the list of all candidates and is always kept.
-    `stacked`: the graph is a scan body. Its saved values are stacked over the iterations
-    and outweigh one iteration's working set, so there the saved bytes stand for the
-    peak, and the scan's own schedule (`scan_schedule`) is built on them too."""
+def candidates(problem: Problem, stacked: bool = False) -> list[Choice]:
+    """Every distinct cut a budget weighs (`ladder`, then `_with_boundaries`), the
+    cheapest first, each with its estimated step peak (saved bytes for a scan body:
+    `stacked`) and cost."""
     relaxed = problem.recompute_costs(allow_costly=True)
     by_traffic = problem.graph.device is not None and problem.graph.device.ranks_by_traffic
     seen: dict[frozenset, Choice] = {}
@@ -298,10 +293,21 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
         key = frozenset(cut.saved)
         if key in seen:
             continue
-        step = None if stacked else _programs(cut)
+        step = None if stacked else step_programs(cut)
         peak = cut.activation_bytes if stacked else estimate(step)
         seen[key] = Choice(cut, peak, _runtime_cost(cut, relaxed), step if by_traffic else None)
-    cheapest, *rest = seen.values()
+    return list(seen.values())
+
+
+def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
+    """The candidates a budget chooses from (of `candidates`), by estimated peak from lowest
+    to highest (the cheapest cut last): each cheaper to run and saving no fewer bytes than
+    the one before, so that the step's peak, the saved bytes and the speed all rise with
+    the budget. The cheapest cut is always kept. `stacked`: the graph is a scan body. Its
+    saved values are stacked over the iterations and outweigh one iteration's working set,
+    so there the saved bytes stand for the peak, and the scan's own schedule
+    (`scan_levels.scan_schedule`) is built on them too."""
+    cheapest, *rest = candidates(problem, stacked)
     kept: list[Choice] = []
     floor = 0.0  # the lowest peak among candidates about as low as kept[-1]'s
     for c in sorted(rest, key=lambda c: (c.peak, c.cost, -c.saved)):
@@ -325,7 +331,7 @@ def within_budget(problem: Problem, budget: Budget, stacked: bool = False) -> di
     bytes for a scan body: `stacked`), or the budget itself if it is `Bytes`."""
     what = "saves" if stacked else "estimated step peak" + (" per device" if problem.graph.devices > 1 else "")
     if isinstance(budget, Bytes) and not stacked:  # budget 1's plan, if it fits
-        if estimate(_programs(top := problem.top_cut(stacked))) <= budget.n:
+        if estimate(step_programs(top := problem.top_cut(stacked))) <= budget.n:
             return problem.top_reasons(top, stacked)
     with collector_paused():
         steps = choices(problem, stacked)
@@ -340,61 +346,3 @@ def within_budget(problem: Problem, budget: Budget, stacked: bool = False) -> di
     label = budget if isinstance(budget, Bytes) else f"{budget:g}"
     return best.cut.reasons(f"budget {label}: {what} {best.peak:,} bytes, within "
                             f"{limit:,.0f}; cheapest to keep", costly_banned=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class ScanSchedule:
-    """How one scan is differentiated: its body cut at `body_budget`, and the carry
-    checkpointed every `every` iterations (1: the body's cut is saved every iteration)."""
-    body_budget: float
-    every: int
-
-
-def scan_schedule(length: int, carry: int, per_iteration: tuple[int, int], sliced: int,
-                  budget: Budget) -> ScanSchedule:
-    """The schedule of a scan of `length` iterations at `budget`.
-
-    `carry`: bytes of one iteration's carry; `per_iteration`: bytes one iteration saves
-    under its body's cut at body budgets 0 and 1 (the carry included); `sliced`: bytes of
-    one iteration's slices of `xs` and `ys`. The levels, from most to least saved bytes:
-
-    - every = 1: `length` x the body's bytes, for each body budget (its own ladder);
-    - every = k > 1: ceil(length / k) carries. The backward recomputes one segment at a
-      time, so about ceil(length / k) x carry + k x (body bytes at budget 0) are live,
-      plus the segment's slices of `xs` / `ys` and their cotangents (2 k x `sliced`,
-      copied in and out of the segment; the stacked layer weights of a scanned model).
-      k grows only while that estimate of the peak falls (k up to about sqrt(length)),
-      so saved bytes and the peak both fall as the budget does. A k that does not divide
-      `length` leaves a shorter last segment, which copies `xs` and `ys` once more (length
-      x `sliced`: an RNN of 256 steps peaked 1.6x higher every 5th step than every 4th).
-
-    The budget spans these levels in bytes, as `within_budget` spans a ladder: the limit
-    is B0 + budget x (B1 - B0), or the budget itself if it is `Bytes`; every = 1 is preferred whenever it fits (no extra
-    forward), else the smallest k that fits.
-    """
-    r0, r1 = per_iteration
-
-    def peak(k: int, whole: bool = False) -> int:  # whole: as if k divided length
-        if k == 1:
-            return length * r0 + 2 * sliced
-        copies = 0 if whole or length % k == 0 else length * sliced
-        return math.ceil(length / k) * carry + k * (r0 + 2 * sliced) + copies
-
-    def body_budget(limit: float) -> float:  # the body's own ladder, saving `limit` in all
-        return 1.0 if r1 <= r0 else min(max((limit / length - r0) / (r1 - r0), 0.0), 1.0)
-
-    segments = [1]
-    for k in range(2, length + 1):  # while the peak estimate falls, each new saved level
-        if peak(k, whole=True) >= peak(segments[-1]):
-            break
-        if math.ceil(length / k) < math.ceil(length / segments[-1]) and peak(k) < peak(segments[-1]):
-            segments.append(k)
-    if len(segments) == 1:  # segments would not lower the peak: the body's own ladder
-        return ScanSchedule(body_budget(budget.n) if isinstance(budget, Bytes) else budget, 1)
-    b0 = math.ceil(length / segments[-1]) * carry
-    limit = float(budget.n) if isinstance(budget, Bytes) else b0 + budget * max(length * r1 - b0, 0)
-    if length * r0 <= limit:
-        return ScanSchedule(body_budget(limit), 1)
-    # A byte budget below every level gets the lowest; the step's estimate then says so.
-    return ScanSchedule(0.0, next((k for k in segments[1:] if math.ceil(length / k) * carry <= limit),
-                                  segments[-1]))

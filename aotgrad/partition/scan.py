@@ -11,7 +11,7 @@ rest inside the backward scan's body. Both programs keep the scan as a scan. The
 memory budget acts inside the body; the graph-level cut does not recompute a cut scan.
 
 Below "save the cut every iteration", a budget checkpoints the carry every k-th
-iteration (`budget.scan_schedule`): the scan becomes a scan over segments of k
+iteration (`scan_levels.scan_schedule`): the scan becomes a scan over segments of k
 iterations, each segment a `jax.checkpoint` (saving nothing) of an inner scan of the cut
 body, so the forward saves one carry per segment and the backward recomputes one segment
 at a time with the body's cut (nested remat). A remainder of n mod k iterations is one
@@ -30,7 +30,8 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Primitive, Var
 from aotgrad._jax_internals import bind_eqn, name_scopes, scan_params
 from aotgrad.interpret import Rule, eval_jaxpr, sub_jaxprs
 from aotgrad.partition import costs, shards
-from aotgrad.partition.budget import Budget, ScanSchedule, scan_schedule
+from aotgrad.partition.budget import Budget
+from aotgrad.partition.scan_levels import ScanSchedule, scan_schedule
 
 __all__ = ["BodyCut", "BodyTrace", "is_cut_scan", "partition_scans", "segment_schedules", "uncut_scans"]
 

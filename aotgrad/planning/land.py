@@ -26,7 +26,7 @@ import jax.extend.core.primitives as P
 from jax.extend.core import Jaxpr
 
 from aotgrad.interpret import sub_jaxprs
-from aotgrad.partition.budget import _programs, choices
+from aotgrad.partition.budget import choices, step_programs
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import Problem
 from aotgrad.partition.peak import collector_paused, estimate
@@ -52,7 +52,7 @@ def levels(graph: JointGraph) -> list[int]:
     problem = Problem.priced(graph)
     with collector_paused():
         ladder = [c.peak for c in choices(problem)]
-    highest = estimate(_programs(problem.top_cut(stacked=False)))  # as `within_budget` weighs it
+    highest = estimate(step_programs(problem.top_cut(stacked=False)))  # as `within_budget` weighs it
     return sorted({p for p in ladder if p < highest}) + [highest]  # above it, budget 1's plan
 
 
