@@ -39,8 +39,8 @@ from benchmarks.strategies import (AOTGRAD_PREFIX, AUTOCAST_PREFIX, CHECKPOINT_P
                                    checkpointed, expand, narrow)
 from benchmarks.workloads import Workload, build
 
-__all__ = ["TargetRow", "async_slice_excess", "compile_step", "device_type", "format_rows", "plot", "run_target",
-           "select_target_strategies", "step_and_context", "target_strategies"]
+__all__ = ["TargetRow", "async_slice_excess", "compile_step", "device_type", "format_rows", "placed_specs", "plot",
+           "run_target", "select_target_strategies", "step_and_context", "target_strategies"]
 
 BUDGETS = (1.0, 0.5, 0.2, 0.0)
 
@@ -69,7 +69,7 @@ class TargetRow:
         return None if self.bytes_accessed is None else self.bytes_accessed - self.slice_excess
 
 
-def _specs(w: Workload, mesh: jax.sharding.Mesh, sharding: str) -> tuple[Any, Any]:
+def placed_specs(w: Workload, mesh: jax.sharding.Mesh, sharding: str) -> tuple[Any, Any]:
     """The workload's parameters and batch placed on the mesh as `aotgrad.plan` places them."""
     params, (batch,), _ = place(w.params, [w.batch], {}, mesh, sharding)
     return params.dynamic, batch.dynamic
@@ -137,7 +137,7 @@ def run_target(target_name: str, workloads: Sequence[tuple[str, str, dict]], *, 
     rows = []
     for name, kind, sizes in workloads:
         w = build(name, kind, sizes)
-        params, batch = _specs(w, mesh, sharding)
+        params, batch = placed_specs(w, mesh, sharding)
         names, skipped = applicable(name, strategies or target_strategies(), sizes)
         if skipped is not None:
             log(f"[{target_name} x{devices} {sharding}] {skipped}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 
+import jax
 import numpy as np
 import pytest
 from jax.extend.core import Var
@@ -23,7 +24,7 @@ from aotgrad.partition.graph import JointGraph, live_eqns
 from aotgrad.partition.min_cut import Cut, Problem
 from aotgrad.partition.peak import _program_peak, collector_paused, estimate
 from aotgrad.partition.split import recompute_late
-from benchmarks.workloads import build
+from benchmarks.workloads import build, gpt
 
 WORKLOADS = [("gpt", dict(batch=1, seq=8, d_model=16, heads=2, layers=3, vocab=32)),
              ("convnet", dict(batch=2, image=16, channels=[4, 8], classes=10))]
@@ -160,3 +161,26 @@ def test_no_candidate_walks_the_graph(monkeypatch: pytest.MonkeyPatch, under_jit
     assert counts["plan"] == counts["reads"] == 0, counts
     assert counts["is_backward_eqn"] <= n, counts  # once per equation, for the whole graph
     assert counts["eqns"] <= 3 * n + 4 * candidates, (counts, n, candidates)
+
+
+def test_the_estimates_benchmark_compiles_the_candidate_budget_0_takes() -> None:
+    """`benchmarks.estimates` lists every candidate with its estimated peak and compiles the
+    lowest: the row it marks as budget 0's compiles to the peak of the step built at budget
+    0 itself (a candidate found again by the wrong place in a re-trace, or the wrong row
+    marked, compiles to another peak), and it leaves no partitioner registered."""
+    from benchmarks import estimates
+    from benchmarks.strategies import xla_peak
+    sizes = dict(batch=2, seq=32, d_model=32, heads=2, layers=3, vocab=64)
+    result = estimates.measure("gpt", "gpt", sizes, "cpu", compile_lowest=2, log=lambda s: None)
+    rows = result["rows"]
+    assert [r["estimated_peak"] for r in rows] == sorted(r["estimated_peak"] for r in rows)
+    assert sum(r["compiled_peak"] is not None for r in rows) >= 2
+    (ours,) = [r for r in rows if r["budget_0"]]
+    loss_fn, params, batch = gpt(**sizes)
+    with aotgrad.config.patch(activation_memory_budget=0.0):
+        step = jax.jit(jax.value_and_grad(aotgrad.compile(loss_fn)))
+        assert ours["compiled_peak"] == xla_peak(step.lower(params, batch).compile().memory_analysis())
+    with pytest.raises(ValueError, match=estimates.PARTITIONER):
+        with aotgrad.config.patch(partitioner=estimates.PARTITIONER):
+            pass
+    assert estimates.summary(result)[0].startswith(f"budget 0 takes candidate {ours['rank']}")

@@ -1,0 +1,161 @@
+"""How the step-peak estimate ranks the cuts a budget weighs, against the compiler: every
+candidate of `budget.candidates` on one workload, lowest estimate first, with its
+estimated per-device peak, and the lowest `--compile` of them compiled for the target
+(XLA's `memory_analysis()` peak, per device, inputs included).
+
+    JAX_PLATFORMS=cpu python -m benchmarks.estimates --target h100 --suite config/stacks.toml \\
+        --workload stack_plain --sizes layers=4 --compile 6
+
+A row says whether the budget's ladder keeps the candidate (`budget.choices`) and marks
+the one budget 0 takes; the summary says whether that one is the lowest compiled peak, and
+the estimate's error on each compiled row. Budget 0 misses the lowest peak exactly where
+the estimate misranks the candidates the ladder chooses between: this is the check to run
+on a model the estimate was not tuned on. Shapes only: nothing runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+
+import aotgrad
+from aotgrad.partition.budget import Choice, candidates, choices
+from aotgrad.partition.graph import JointGraph
+from aotgrad.partition.min_cut import Problem
+from aotgrad.targets import resolve as resolve_target
+from benchmarks.strategies import xla_peak
+from benchmarks.suite import load, select_workloads
+from benchmarks.targets import placed_specs
+from benchmarks.workloads import build
+
+PARTITIONER = "estimates_bench"  # registered while `measure` runs
+
+
+class _Candidates:
+    """A partitioner that records the candidates of the first graph it sees and then saves
+    the one picked (`pick`) on each graph it is given: a re-trace of the same step has the
+    same equations in the same order, so a saved value is found again by where it is made."""
+
+    def __init__(self) -> None:
+        self.graph: JointGraph | None = None
+        self.all: list[Choice] = []
+        self.kept: list[Choice] = []
+        self.pick: Choice | None = None
+
+    def __call__(self, graph: JointGraph, budget: Any) -> dict:
+        if self.graph is None:
+            problem = Problem.priced(graph)
+            self.graph, self.all, self.kept = graph, candidates(problem), choices(problem)
+        cut = (self.pick or self.all[0]).cut
+        where = _positions(self.graph)
+        return {_value_at(graph, where[v]): "picked" for v in cut.saved}
+
+
+def _positions(graph: JointGraph) -> dict[Any, tuple[int, int]]:
+    """Each joint value's place: (-1, input index) or (equation index, output index)."""
+    where = {v: (-1, i) for i, v in enumerate(graph.inputs)}
+    for i, e in enumerate(graph.eqns):
+        where.update({v: (i, j) for j, v in enumerate(e.outvars)})
+    return where
+
+
+def _value_at(graph: JointGraph, place: tuple[int, int]) -> Any:
+    i, j = place
+    return graph.inputs[j] if i < 0 else graph.eqns[i].outvars[j]
+
+
+def measure(kind: str, name: str, sizes: dict[str, Any], target: str, devices: int = 1,
+            sharding: str = "dp", compile_lowest: int = 6, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The candidates of the workload's step on the target, the lowest `compile_lowest`
+    (by estimate) compiled; see the module's docstring."""
+    w = build(name, kind, sizes)
+    params, batch = placed_specs(w, resolve_target(target).mesh(devices), sharding)
+    recorder = _Candidates()
+    registration = aotgrad.register_partitioner(PARTITIONER, recorder)
+
+    def compiled_peak() -> int:
+        with aotgrad.config.patch(partitioner=PARTITIONER, activation_memory_budget=0.5):
+            step = jax.jit(jax.value_and_grad(aotgrad.compile(w.loss_fn)))
+            return xla_peak(step.lower(params, batch).compile().memory_analysis())
+    try:
+        with aotgrad.config.patch(partitioner=PARTITIONER, activation_memory_budget=0.5):
+            jax.jit(jax.value_and_grad(aotgrad.compile(w.loss_fn))).trace(params, batch)
+        kept = {frozenset(c.cut.saved) for c in recorder.kept}
+        lowest = frozenset(recorder.kept[0].cut.saved)  # budget 0's cut
+        rows = []
+        for rank, c in enumerate(sorted(recorder.all, key=lambda c: (c.peak, c.cost))):
+            row = {"rank": rank, "estimated_peak": c.peak, "saved_bytes": c.saved, "cost": c.cost,
+                   "kept": frozenset(c.cut.saved) in kept, "budget_0": frozenset(c.cut.saved) == lowest,
+                   "compiled_peak": None}
+            if rank < compile_lowest or row["budget_0"]:
+                recorder.pick, t0 = c, time.perf_counter()
+                row["compiled_peak"] = compiled_peak()
+                log(f"{name}: candidate {rank} compiled in {time.perf_counter() - t0:.0f} s")
+            rows.append(row)
+    finally:
+        registration.remove()
+    return {"workload": name, "kind": kind, "sizes": sizes, "target": target, "devices": devices,
+            "sharding": sharding, "rows": rows, "versions": {"jax": jax.__version__, "aotgrad": aotgrad.__version__}}
+
+
+def summary(result: dict[str, Any]) -> list[str]:
+    """Whether budget 0 took the lowest compiled peak, and the estimate's error."""
+    done = [r for r in result["rows"] if r["compiled_peak"] is not None]
+    best = min(done, key=lambda r: r["compiled_peak"])
+    ours = next(r for r in done if r["budget_0"])
+    errors = [r["estimated_peak"] / r["compiled_peak"] - 1 for r in done]
+    order = sorted(done, key=lambda r: r["compiled_peak"])
+    return [f"budget 0 takes candidate {ours['rank']}: compiled {ours['compiled_peak'] / 1e9:.3f} GB, "
+            f"{ours['compiled_peak'] / best['compiled_peak']:.3f}x the lowest compiled (candidate {best['rank']})",
+            f"estimate / compiled - 1: {min(errors):+.1%} to {max(errors):+.1%} over {len(done)} compiled",
+            "compiled order (by estimate rank): " + " ".join(str(r["rank"]) for r in order)]
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["rank  kept  budget0  estimated GB  compiled GB  est/compiled  saved MB"]
+    for r in result["rows"]:
+        est, c = r["estimated_peak"], r["compiled_peak"]
+        compiled, ratio = ("-", "-") if c is None else (f"{c / 1e9:.3f}", f"{est / c:.3f}")
+        lines.append(f"{r['rank']:4d}  {'yes' if r['kept'] else '-':>4}  {'<-' if r['budget_0'] else '':>7}  "
+                     f"{est / 1e9:12.3f}  {compiled:>11}  {ratio:>12}  {r['saved_bytes'] / 1e6:8.1f}")
+    return "\n".join(lines)
+
+
+def _sizes(text: str) -> dict[str, Any]:
+    sizes: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        sizes[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="h100")
+    ap.add_argument("--devices", type=int, default=1)
+    ap.add_argument("--sharding", default="dp", choices=("dp", "fsdp"))
+    ap.add_argument("--suite", default="config/stacks.toml")
+    ap.add_argument("--workload", required=True, help="a workload of the suite")
+    ap.add_argument("--sizes", default="", help="overrides of the suite's sizes, e.g. layers=4")
+    ap.add_argument("--compile", type=int, default=6, help="compile this many of the lowest estimates")
+    ap.add_argument("--out", help="write the result as JSON here")
+    args = ap.parse_args(argv)
+    specs, _ = select_workloads(load(args.suite).workloads, [args.workload])
+    if len(specs) != 1:
+        ap.error(f"--workload {args.workload!r}: {len(specs)} workloads of {args.suite} match; name one")
+    spec = specs[0]
+    result = measure(spec.kind, spec.name, {**spec.sizes, **_sizes(args.sizes)}, args.target, args.devices,
+                     args.sharding, args.compile, log=lambda s: print(s, file=sys.stderr))
+    print(table(result))
+    print("\n".join(summary(result)))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
