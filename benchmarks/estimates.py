@@ -23,13 +23,13 @@ from typing import Any, Callable
 import jax
 
 import aotgrad
-from aotgrad.partition.budget import Choice, candidates, choices
+from aotgrad.partition.budget import Choice, candidates, kept_of
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import Problem
 from aotgrad.targets import resolve as resolve_target
-from benchmarks.strategies import xla_peak
+from benchmarks.strategies import AOTGRAD_PREFIX, xla_peak
 from benchmarks.suite import load, select_workloads
-from benchmarks.targets import placed_specs
+from benchmarks.targets import compile_step, placed_specs, step_and_context
 from benchmarks.workloads import build
 
 PARTITIONER = "estimates_bench"  # registered while `measure` runs
@@ -41,18 +41,18 @@ class _Candidates:
     same equations in the same order, so a saved value is found again by where it is made."""
 
     def __init__(self) -> None:
-        self.graph: JointGraph | None = None
+        self.where: dict[Any, tuple[int, int]] = {}  # the first graph's values: their places
         self.all: list[Choice] = []
         self.kept: list[Choice] = []
         self.pick: Choice | None = None
 
     def __call__(self, graph: JointGraph, budget: Any) -> dict:
-        if self.graph is None:
-            problem = Problem.priced(graph)
-            self.graph, self.all, self.kept = graph, candidates(problem), choices(problem)
+        if not self.where:
+            self.where = _positions(graph)
+            self.all = candidates(Problem.priced(graph))
+            self.kept = kept_of(self.all)
         cut = (self.pick or self.all[0]).cut
-        where = _positions(self.graph)
-        return {_value_at(graph, where[v]): "picked" for v in cut.saved}
+        return {_value_at(graph, self.where[v]): "picked" for v in cut.saved}
 
 
 def _positions(graph: JointGraph) -> dict[Any, tuple[int, int]]:
@@ -76,14 +76,11 @@ def measure(kind: str, name: str, sizes: dict[str, Any], target: str, devices: i
     params, batch = placed_specs(w, resolve_target(target).mesh(devices), sharding)
     recorder = _Candidates()
     registration = aotgrad.register_partitioner(PARTITIONER, recorder)
-
-    def compiled_peak() -> int:
-        with aotgrad.config.patch(partitioner=PARTITIONER, activation_memory_budget=0.5):
-            step = jax.jit(jax.value_and_grad(aotgrad.compile(w.loss_fn)))
-            return xla_peak(step.lower(params, batch).compile().memory_analysis())
+    strategy = f"{AOTGRAD_PREFIX}{PARTITIONER}@0.5"  # a budget below 1, so that the partitioner is asked
     try:
-        with aotgrad.config.patch(partitioner=PARTITIONER, activation_memory_budget=0.5):
-            jax.jit(jax.value_and_grad(aotgrad.compile(w.loss_fn))).trace(params, batch)
+        fn, context = step_and_context(strategy, w)
+        with context():
+            jax.jit(fn).trace(params, batch)
         kept = {frozenset(c.cut.saved) for c in recorder.kept}
         lowest = frozenset(recorder.kept[0].cut.saved)  # budget 0's cut
         rows = []
@@ -93,7 +90,7 @@ def measure(kind: str, name: str, sizes: dict[str, Any], target: str, devices: i
                    "compiled_peak": None}
             if rank < compile_lowest or row["budget_0"]:
                 recorder.pick, t0 = c, time.perf_counter()
-                row["compiled_peak"] = compiled_peak()
+                row["compiled_peak"] = xla_peak(compile_step(strategy, w, params, batch).memory_analysis())
                 log(f"{name}: candidate {rank} compiled in {time.perf_counter() - t0:.0f} s")
             rows.append(row)
     finally:

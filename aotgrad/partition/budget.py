@@ -86,7 +86,7 @@ if TYPE_CHECKING:  # min_cut imports scan, which imports Budget from here
     from aotgrad.partition.min_cut import Cut, Problem
 
 __all__ = ["FUSED_REASON", "GREEDY_STEPS", "PRICES", "Budget", "Bytes", "Choice", "candidates", "choices",
-           "is_fused_plan", "ladder", "matmul_outputs", "parse_bytes", "policy_points", "step_programs", "within_budget"]
+           "is_fused_plan", "kept_of", "ladder", "matmul_outputs", "parse_bytes", "policy_points", "step_programs", "within_budget"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,7 +307,12 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
     saved values are stacked over the iterations and outweigh one iteration's working set,
     so there the saved bytes stand for the peak, and the scan's own schedule
     (`scan_levels.scan_schedule`) is built on them too."""
-    cheapest, *rest = candidates(problem, stacked)
+    return kept_of(candidates(problem, stacked))
+
+
+def kept_of(found: list[Choice]) -> list[Choice]:
+    """The ladder `choices` keeps of `candidates`' list (the cheapest cut first)."""
+    cheapest, *rest = found
     kept: list[Choice] = []
     floor = 0.0  # the lowest peak among candidates about as low as kept[-1]'s
     for c in sorted(rest, key=lambda c: (c.peak, c.cost, -c.saved)):
