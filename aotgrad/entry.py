@@ -15,6 +15,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.tree_util import tree_leaves, tree_unflatten
 
 from aotgrad._jax_internals import staging
+from aotgrad.collector import collector_paused
 from aotgrad.config import Snapshot, config
 from aotgrad.hooks import ArgLayout, Hook, InForce
 from aotgrad.partition import plans_staged
@@ -147,11 +148,23 @@ class Entry:
             return entry.forward_only(*inputs)
 
         def fwd(*primals: Any) -> tuple[list[Any], Saved]:
+            if staging():  # planning and tracing the programs: the collector waits (`collector`)
+                with collector_paused():
+                    return run_forward(primals, entry.by_staging)
+            return run_forward(primals, False)
+
+        def run_forward(primals: Sequence[Any], staged: bool) -> tuple[list[Any], Saved]:
             perturbed = tuple(bool(p.perturbed) for p in primals)
-            pair = entry.pair(perturbed, has_ct, entry.by_staging and staging())
+            pair = entry.pair(perturbed, has_ct, staged)
             return pair.run_forward([p.value for p in primals], entry.in_force())
 
         def bwd(saved: Saved, cts: Sequence[Any]) -> tuple[Any, ...]:
+            if staging():
+                with collector_paused():
+                    return run_backward(saved, cts)
+            return run_backward(saved, cts)
+
+        def run_backward(saved: Saved, cts: Sequence[Any]) -> tuple[Any, ...]:
             pair = saved.pair
             given = [ct for ct, c in zip(cts, has_ct) if c]
             present = tuple(not isinstance(ct, SymbolicZero) for ct in given)

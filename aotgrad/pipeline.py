@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 from aotgrad.autocast.context import Setting, setting_inside, setting_of
 from aotgrad.autocast.rewrite import CastCounts, has_markers, rewrite_backward, rewrite_closed
+from aotgrad.collector import collector_paused
 from aotgrad.config import BackwardAutocast, Snapshot
 from aotgrad.devices import DeviceProfile, profile_of
 from aotgrad.errors import BudgetUnreachable
@@ -103,7 +104,13 @@ def build(fwd: ForwardTrace, perturbed: tuple[bool, ...], has_ct: tuple[bool, ..
     """The joint graph of `fwd` for this choice of differentiated inputs and cotangents,
     partitioned by the options' strategy and budget, its backward autocast; `staged`: the
     forward and backward run as one program (traced under `jax.jit`), which the partitioner
-    plans for."""
+    plans for. The cycle collector is held off meanwhile (`collector`)."""
+    with collector_paused():
+        return _build(fwd, perturbed, has_ct, options, staged)
+
+
+def _build(fwd: ForwardTrace, perturbed: tuple[bool, ...], has_ct: tuple[bool, ...],
+           options: Snapshot, staged: bool) -> Built:
     t0 = time.perf_counter()
     strategy, budget = options.partitioner, options.activation_memory_budget
     device = profile_of(fwd.in_avals)  # the arguments' devices: a compile-only target's too

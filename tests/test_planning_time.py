@@ -2,8 +2,8 @@
 the backward and forward of each cut are found on arrays built once per graph (as
 `graph.live_eqns` finds them), the backward is ordered and its peak estimated on index
 lists and arrays built once per graph (as `schedule.plan` and `peak._program_peak` find
-them), no candidate walks the graph's equations, and the cycle collector held off while
-candidates are estimated is switched back on. Counts and equalities, not timings (the
+them), no candidate walks the graph's equations, and the cycle collector is held off while a
+pair is planned and switched back on after. Counts and equalities, not timings (the
 timings are in docs/partitioner.md, "Planning time": `python -m benchmarks.planning_time`)."""
 from __future__ import annotations
 
@@ -16,14 +16,16 @@ import pytest
 from jax.extend.core import Var
 
 import aotgrad
+from aotgrad.collector import collector_paused
 from aotgrad.devices import profile_named
 from aotgrad.partition import budget, fusion, order, peak, peak_arrays, schedule
 from aotgrad.partition.budget import choices, ladder
 from aotgrad.partition.fusion import deps, programs
 from aotgrad.partition.graph import JointGraph, live_eqns
 from aotgrad.partition.min_cut import Cut, Problem
-from aotgrad.partition.peak import _program_peak, collector_paused, estimate
+from aotgrad.partition.peak import _program_peak, estimate
 from aotgrad.partition.split import recompute_late
+from aotgrad.partition.vjp import save_what_backward_reads
 from benchmarks.workloads import build, gpt
 
 WORKLOADS = [("gpt", dict(batch=1, seq=8, d_model=16, heads=2, layers=3, vocab=32)),
@@ -101,6 +103,32 @@ def test_collector_paused_restores_the_collector(enabled: bool) -> None:
             assert not gc.isenabled()
         assert gc.isenabled() == enabled
     finally:
+        (gc.enable if was else gc.disable)()
+
+
+@pytest.mark.parametrize("under_jit", [True, False])
+def test_the_collector_waits_while_a_pair_is_planned(under_jit: bool) -> None:
+    """The partitioner runs with the cycle collector off, eagerly and under jax.jit; it is
+    on again after, as the caller had it."""
+    seen: list[tuple[str, bool]] = []
+
+    def strategy(graph, budget):
+        seen.append(("plan", gc.isenabled()))
+        return save_what_backward_reads(graph, budget)
+
+    registration = aotgrad.register_partitioner("watch_collector", strategy)
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        f = aotgrad.compile(lambda w, x: jax.numpy.sum(jax.numpy.tanh(x @ w)))
+        w, x = jax.numpy.ones((4, 4)), jax.numpy.ones((2, 4))
+        with aotgrad.config.patch(partitioner="watch_collector"):
+            grad = jax.grad(lambda w: f(w, x))
+            (jax.jit(grad) if under_jit else grad)(w)
+        assert ("plan", False) in seen and ("plan", True) not in seen
+        assert gc.isenabled()
+    finally:
+        registration.remove()
         (gc.enable if was else gc.disable)()
 
 

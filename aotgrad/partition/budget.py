@@ -74,11 +74,12 @@ import jax.extend.core.primitives as P
 import numpy as np
 from jax.extend.core import Var
 
+from aotgrad.collector import collector_paused
 from aotgrad.errors import BudgetUnreachable
 from aotgrad.partition.boundaries import boundaries, head, layer_points
 from aotgrad.partition.fusion import Programs, programs
 from aotgrad.partition.order import ordered
-from aotgrad.partition.peak import collector_paused, estimate
+from aotgrad.partition.peak import estimate
 from aotgrad.partition.rules import MATMULS, Kind
 from aotgrad.partition.traffic import traffic as step_traffic
 

@@ -21,10 +21,7 @@ freed after its last reader.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
-import threading
-from typing import Callable, Iterator
+from typing import Callable
 
 from jax.extend.core import JaxprEqn, Var
 
@@ -32,7 +29,7 @@ from aotgrad.partition import costs, peak_arrays
 from aotgrad.partition.fusion import FUSED, Program, Programs, Row, Value, reads, rows
 from aotgrad.partition.rules import IN_PLACE, Kind
 
-__all__ = ["collector_paused", "estimate"]
+__all__ = ["estimate"]
 
 
 def estimate(step: Programs) -> int:
@@ -111,26 +108,3 @@ def _reusable(eqn: JaxprEqn, kind: Kind, dying: list[Value]) -> list[Value]:
     return dying if kind is Kind.CHEAP else []
 
 
-_pause = threading.Lock()
-_paused = [0, False]  # how many callers hold the collector off; whether it was on before
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cycle collector held off while a budget estimates its candidates: each
-    estimate allocates tens of thousands of containers that live until it ends, and the
-    full collections they set off each scanned the whole joint graph again (on a 12-layer
-    GPT, 40% of `budget.choices`' time). The estimates leave no reference cycles behind,
-    so nothing waits on the collector; it is switched back on after, if it was on."""
-    with _pause:
-        if not _paused[0]:
-            _paused[1] = gc.isenabled()
-            gc.disable()
-        _paused[0] += 1
-    try:
-        yield
-    finally:
-        with _pause:
-            _paused[0] -= 1
-            if not _paused[0] and _paused[1]:
-                gc.enable()

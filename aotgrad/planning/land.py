@@ -25,11 +25,12 @@ from typing import Callable, Protocol, Sequence
 import jax.extend.core.primitives as P
 from jax.extend.core import Jaxpr
 
+from aotgrad.collector import collector_paused
 from aotgrad.interpret import sub_jaxprs
 from aotgrad.partition.budget import choices, step_programs
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import Problem
-from aotgrad.partition.peak import collector_paused, estimate
+from aotgrad.partition.peak import estimate
 
 __all__ = ["Landing", "has_scan", "land", "levels", "setting"]
 
