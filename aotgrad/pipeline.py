@@ -15,7 +15,7 @@ from aotgrad.collector import collector_paused
 from aotgrad.config import BackwardAutocast, Snapshot
 from aotgrad.devices import DeviceProfile, profile_of
 from aotgrad.errors import BudgetUnreachable
-from aotgrad.partition import JointGraph, Split, partition, scan_rules, shards
+from aotgrad.partition import JointGraph, Program, Split, partition, scan_rules, shards
 from aotgrad.trace import ForwardTrace, input_layout, trace_body_joint, trace_joint
 from aotgrad.trace import trace_forward as _trace
 
@@ -49,14 +49,16 @@ def autocast_backward(split: Split, fwd: ForwardTrace, mode: BackwardAutocast) -
         case "off":
             return split, CastCounts(fwd.casts)
         case "same_as_forward":
-            if fwd.autocast is None and not has_markers(split.backward.jaxpr):
+            # The backward's equations carry their forward equations' markers: a forward
+            # without any has a backward without any (and it is not traced to ask).
+            if fwd.autocast is None and not has_markers(fwd.jaxpr.jaxpr):
                 return split, CastCounts(fwd.casts)
             choose = lambda eqn: setting_of(eqn, fwd.autocast)  # noqa: E731
         case tuple():
             fixed = setting_inside(mode)
             choose = lambda eqn: fixed  # noqa: E731
     backward, casts = rewrite_backward(split.backward, split.n_cotangents, choose)
-    return dataclasses.replace(split, backward=backward), CastCounts(fwd.casts, casts)
+    return dataclasses.replace(split, backward_program=Program.of(backward)), CastCounts(fwd.casts, casts)
 
 
 def _scan_rules(strategy: str, budget: Any, device: DeviceProfile, fwd: ForwardTrace,

@@ -10,7 +10,6 @@ from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import numpy as np
-from jax.extend.core import jaxpr_as_fun
 from jax.sharding import SingleDeviceSharding
 
 from aotgrad import anomaly, pipeline
@@ -97,7 +96,7 @@ class ProgramPair:
     autocast: Callable[[Split], Split] = lambda sp: sp
 
     def __post_init__(self) -> None:
-        self.forward = jax.jit(jaxpr_as_fun(self.split.forward))
+        self.forward = jax.jit(self.split.forward_program.fn)
         self.n_outs = self.graph.n_outs
         self.layouts: dict[object, Any] = {}  # per fwd_and_bwd: how its bwd regroups gradients
         self.grad_inputs = tuple(i for i, p in enumerate(self.perturbed) if p)
@@ -124,9 +123,9 @@ class ProgramPair:
         return self.graph.staged
 
     def backward_without(self, present: tuple[bool, ...]) -> Any:
-        """The backward program's jaxpr taking only the cotangents marked present: every
+        """The backward program (`split.Program`) taking only the cotangents marked present: every
         equation that only the others (known zero) reach is left out."""
-        return self.autocast(without_cotangents(self.graph, self.split, present)).backward
+        return self.autocast(without_cotangents(self.graph, self.split, present)).backward_program
 
     # ---------------------------------------------------------------- running
 
@@ -155,7 +154,7 @@ class ProgramPair:
         t0 = time.perf_counter()
         lowered_f = self.forward.lower(*inputs)
         if not any(_placed_elsewhere(a) for a in inputs):
-            lowered_b = self.backward.lower(*[_sds(a) for a in self.split.backward.in_avals])
+            lowered_b = self.backward.lower(*[_sds(a) for a in self.split.backward_program.in_avals])
         else:  # as it runs: saved values and cotangents sharded as the forward leaves them
             lowered_b = self._lower_sharded_backward(lowered_f, inputs)
         return lowered_f, lowered_b, dataclasses.replace(self.timings, lower=time.perf_counter() - t0)
@@ -167,7 +166,7 @@ class ProgramPair:
         outs = lowered_f.compile().output_shardings  # (cached: Lowered.compile() reuses it)
         held = [*outs[self.n_outs:], *(inputs[i].sharding for i in self.split.saved_inputs)]
         cts = [s for s, c in zip(outs[:self.n_outs], self.has_ct, strict=True) if c]
-        avals = self.split.backward.in_avals
+        avals = self.split.backward_program.in_avals
         specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s, weak_type=getattr(a, "weak_type", False))
                  for a, s in zip(avals, [*held, *cts], strict=True)]
         return self.run_backward.program(self._grad_shardings(inputs)).lower(*specs)
@@ -205,15 +204,15 @@ class Backward:
     def function(self, present: tuple[bool, ...] | None, hooks: InForce | None = None) -> Callable[..., Any]:
         """The backward as a function of (saved..., present cotangents...), hooks traced in."""
         pair = self.pair
-        backward = pair.split.backward
+        backward = pair.split.backward_program
         has_ct = pair.has_ct
         if present is not None:
             backward = pair.backward_without(present)
             given = iter(present)
             has_ct = tuple(c and next(given) for c in has_ct)
-        function = anomaly.checked(backward) if pair.detect_anomaly else jaxpr_as_fun(backward)
+        function = anomaly.checked(backward.closed) if pair.detect_anomaly else backward.fn
         if hooks:  # per-leaf hooks are placed in the plain backward's equation order
-            function = with_hooks(function, None if pair.detect_anomaly else backward, hooks,
+            function = with_hooks(function, None if pair.detect_anomaly else backward.closed, hooks,
                                   pair.perturbed, has_ct)
         return function
 
@@ -243,7 +242,7 @@ class GuardedBackward(Backward):
             raise RuntimeError(_RELEASED.format(owner=pair.owner))
         if pair.detect_anomaly and present is not None:
             # Anomaly reports index the full backward's equations: it gets the zeros.
-            cts, present = _with_zeros(cts, present, pair.split.backward.in_avals[-len(present):]), None
+            cts, present = _with_zeros(cts, present, pair.split.backward_program.in_avals[-len(present):]), None
         results = self.program(saved.grad_shardings, present, saved.hooks)(*saved.arrays, *cts)
         if pair.donate_saved:
             for a in owned:  # XLA consumed those it aliased; release the rest now

@@ -132,6 +132,21 @@ def test_the_collector_waits_while_a_pair_is_planned(under_jit: bool) -> None:
         (gc.enable if was else gc.disable)()
 
 
+@pytest.mark.parametrize("budget", [1.0, 0.5])
+def test_a_step_under_jit_traces_its_programs_into_the_step_only(budget: float) -> None:
+    """The split's programs are functions traced into the step by the step's own trace;
+    their jaxprs are made only when asked for (explain, hooks, export), not while planning."""
+    w = build("gpt", "gpt", WORKLOADS[0][1])
+    f = aotgrad.compile(w.loss_fn)
+    with aotgrad.config.patch(activation_memory_budget=budget):
+        jax.jit(jax.value_and_grad(f)).lower(w.params, w.batch)
+        entry, _ = f.entries.resolve((w.params, w.batch), {})  # the entry of this budget
+    pair, = entry.pairs.values()
+    programs = pair.split.forward_program, pair.split.backward_program
+    assert not any("closed" in vars(p) for p in programs)
+    assert [a.shape for a in pair.split.backward.in_avals] == [a.shape for a in programs[1].in_avals]
+
+
 @pytest.mark.parametrize("kind,sizes", WORKLOADS)
 @pytest.mark.parametrize("under_jit", [True, False])
 @pytest.mark.parametrize("device", [None, "h100", "tpu"])

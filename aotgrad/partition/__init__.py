@@ -17,7 +17,7 @@ from aotgrad.partition.vjp import save_what_backward_reads
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import min_cut
 from aotgrad.partition.scan import BodyTrace, partition_scans
-from aotgrad.partition.split import Split, split, without_cotangents
+from aotgrad.partition.split import Program, Split, split, without_cotangents
 
 __all__ = ["PARTITIONERS", "JointGraph", "Registration", "Split", "partition", "partitioners", "plans_staged",
            "register_partitioner", "scan_rules", "split", "without_cotangents"]

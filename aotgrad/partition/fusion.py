@@ -207,7 +207,7 @@ def _untied_first(graph: JointGraph, idx: list[int], waiting: AbstractSet[int]) 
     late: list[int] = []
     made_late: set[int] = set()  # an equation reading what these make stays late too
     for n, i in enumerate(idx):
-        if n not in waiting and not backward[i] and not (made_late and any(p in made_late for p in operands[i])):
+        if n not in waiting and not backward[i] and made_late.isdisjoint(operands[i]):
             early.append(i)
         else:
             late.append(i)

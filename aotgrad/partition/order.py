@@ -110,7 +110,7 @@ def _late(lk: Links, idx: Sequence[int]) -> tuple[list[int], list[tuple[int, int
     runs: list[tuple[int, int]] = []
     for i in idx:
         if backward[i]:
-            if operands[i] and pending and any(p in pending for p in operands[i]):
+            if pending and not pending.isdisjoint(operands[i]):
                 start = len(order)
                 _emit(i, operands, pending, order)
                 runs.append((start, len(order) - 1))
@@ -124,16 +124,17 @@ def _late(lk: Links, idx: Sequence[int]) -> tuple[list[int], list[tuple[int, int
 
 def _emit(root: int, operands: list[tuple[int, ...]], pending: set[int], order: list[int]) -> None:
     """Emits `root` after the `pending` equations it reads, depth first (iterative: graphs
-    can be deep), each operand's before the next's from the last operand back."""
-    stack = [(root, False)]
+    can be deep), each operand's before the next's from the last operand back. On the
+    stack, ~i (negative) marks equation i as ready to emit: its operands are out."""
+    stack = [root]
     while stack:
-        i, ready = stack.pop()
-        if ready:
-            pending.discard(i)
-            order.append(i)
+        i = stack.pop()
+        if i < 0:
+            pending.discard(~i)
+            order.append(~i)
         elif i == root or i in pending:  # else emitted since it was pushed
-            stack.append((i, True))
-            stack.extend((p, False) for p in operands[i] if p in pending)
+            stack.append(~i)
+            stack.extend([p for p in operands[i] if p in pending])
 
 
 def _waiting(lk: Links, order: list[int], runs: list[tuple[int, int]]) -> frozenset[int]:

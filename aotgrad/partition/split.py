@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
-from jax.extend.core import ClosedJaxpr, Var
+from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
 
 from aotgrad.interpret import eval_jaxpr
 from aotgrad.partition import schedule
@@ -21,13 +22,34 @@ from aotgrad.partition.order import recompute_late  # re-exported: the backward'
 from aotgrad.partition.graph import JointGraph, live_eqns
 from aotgrad.partition.zeros import known_zero, zeros_like
 
-__all__ = ["Split", "recompute_late", "split", "without_cotangents"]
+__all__ = ["Program", "Split", "recompute_late", "split", "without_cotangents"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """One program of a split as a function of its inputs, which re-binds the joint
+    equations it selects; traced to a closed jaxpr (`closed`) only when first asked for.
+    A step traced under `jax.jit` traces the function into the step once (the runtime
+    jits `fn`), rather than once here and again from the jaxpr."""
+    fn: Callable[..., list[Any]]
+    in_avals: tuple[Any, ...]
+
+    @functools.cached_property
+    def closed(self) -> ClosedJaxpr:
+        return jax.make_jaxpr(self.fn)(*self.in_avals)
+
+    @classmethod
+    def of(cls, closed: ClosedJaxpr) -> Program:
+        """A program given as a closed jaxpr (a rewritten one)."""
+        program = cls(jaxpr_as_fun(closed), tuple(closed.in_avals))
+        program.__dict__["closed"] = closed  # already traced
+        return program
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Split:
-    forward: ClosedJaxpr  # inputs -> outputs + saved activations
-    backward: ClosedJaxpr  # saved activations + saved inputs + cotangents -> grads
+    forward_program: Program  # inputs -> outputs + saved activations
+    backward_program: Program  # saved activations + saved inputs + cotangents -> grads
     activations: tuple[Var, ...]  # joint-graph values the forward saves, in order
     saved_inputs: tuple[int, ...]  # positions (among inputs) of inputs the backward reads
     reasons: tuple[str, ...]  # why each activation, then each saved input, was saved
@@ -36,9 +58,19 @@ class Split:
     recompute_groups: int = 0  # groups of recomputed equations that wait for their cotangent
 
     @property
+    def forward(self) -> ClosedJaxpr:
+        """The forward program's jaxpr (traced when first asked for)."""
+        return self.forward_program.closed
+
+    @property
+    def backward(self) -> ClosedJaxpr:
+        """The backward program's jaxpr (traced when first asked for)."""
+        return self.backward_program.closed
+
+    @property
     def n_cotangents(self) -> int:
         """How many of the backward's inputs are cotangents (its last ones)."""
-        return len(self.backward.in_avals) - len(self.activations) - len(self.saved_inputs)
+        return len(self.backward_program.in_avals) - len(self.activations) - len(self.saved_inputs)
 
     def saved(self, graph: JointGraph) -> dict[Var, str]:
         """The saved set this split was built from: each saved joint value, with its reason."""
@@ -114,9 +146,9 @@ def _in_order(graph: JointGraph, values: Sequence[Var]) -> list[Var]:
 
 
 def _emit(graph: JointGraph, idx: list[int], invars: list[Var], outvars: list,
-          before_eqn: Callable[[int, dict], None] | None = None, zeros: Sequence[Var] = ()) -> ClosedJaxpr:
-    """Re-traces the selected joint equations into a closed jaxpr; `zeros` are values
-    known to be zero, given as zeros."""
+          before_eqn: Callable[[int, dict], None] | None = None, zeros: Sequence[Var] = ()) -> Program:
+    """The program re-binding the selected joint equations; `zeros` are values known to
+    be zero, given as zeros."""
     jaxpr = graph.closed.jaxpr
     eqns = [jaxpr.eqns[i] for i in idx]
 
@@ -125,5 +157,4 @@ def _emit(graph: JointGraph, idx: list[int], invars: list[Var], outvars: list,
         return eval_jaxpr(jaxpr, graph.closed.consts, filled, invars=[*invars, *zeros], eqns=eqns,
                           outvars=outvars, before_eqn=before_eqn)
 
-    avals = [v.aval for v in invars]
-    return jax.make_jaxpr(program)(*avals)
+    return Program(program, tuple(v.aval for v in invars))
