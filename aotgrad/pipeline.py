@@ -58,7 +58,7 @@ def autocast_backward(split: Split, fwd: ForwardTrace, mode: BackwardAutocast) -
             fixed = setting_inside(mode)
             choose = lambda eqn: fixed  # noqa: E731
     backward, casts = rewrite_backward(split.backward, split.n_cotangents, choose)
-    return dataclasses.replace(split, backward_program=Program.of(backward)), CastCounts(fwd.casts, casts)
+    return dataclasses.replace(split, backward_program=Program.of(backward, "backward")), CastCounts(fwd.casts, casts)
 
 
 def _scan_rules(strategy: str, budget: Any, device: DeviceProfile, fwd: ForwardTrace,

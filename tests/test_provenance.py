@@ -87,7 +87,7 @@ def test_hlo_op_name_carries_number_and_line():
     dots = [line for line in backward.splitlines() if re.search(r"= f32\[[\d,]+\]\{[\d,]+\} dot\(", line)]
     assert len(dots) == 2
     for line in dots:  # the two gradient matmuls name the forward matmul and its line
-        assert f'op_name="jit(jaxpr_as_fun)/transpose(jvp({scope}))/' in line
+        assert f'op_name="jit(backward)/transpose(jvp({scope}))/' in line
     assert f"jvp({scope})" in compiled.forward.as_text()
 
 

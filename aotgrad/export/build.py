@@ -7,7 +7,6 @@ import json
 from typing import Any, Callable, Sequence
 
 import jax
-from jax.extend.core import jaxpr_as_fun
 from jax.tree_util import tree_unflatten
 
 from aotgrad._jax_internals import Tracer
@@ -130,13 +129,13 @@ def _export_programs(who: str, entry: Entry, pair: ProgramPair, inputs: Sequence
         return jax.export.export(fn, platforms=platforms)(*specs)
 
     dyn_args, dyn_kwargs = tree_unflatten(in_tree, specs[n:])
-    forward = jax.jit(jaxpr_as_fun(sp.forward))
+    forward = jax.jit(sp.forward_program.fn)
     programs = {"forward_only": exported(jax.jit(forward_only), tuple(specs[:n]), dyn_args, dyn_kwargs),
                 "forward": exported(forward, *specs)}
     # The backward's inputs: saved activations, saved inputs, cotangents. Over several
     # devices they take the shardings the compiled forward gives them, and the gradients
     # take their inputs' shardings (as `runtime.ProgramPair` does).
-    bwd_shardings: list[Any] = [None] * len(sp.backward.in_avals)
+    bwd_shardings: list[Any] = [None] * len(sp.backward_program.in_avals)
     grad_shardings = None
     if any(s.sharding is not None for s in specs):
         outs = forward.lower(*specs).compile().output_shardings
@@ -145,8 +144,8 @@ def _export_programs(who: str, entry: Entry, pair: ProgramPair, inputs: Sequence
         bwd_shardings = acts + [specs[i].sharding for i in sp.saved_inputs] + cts
         grad_shardings = [specs[i].sharding for i in pair.grad_inputs]
     bwd_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                 for a, s in zip(sp.backward.in_avals, bwd_shardings, strict=True)]
-    backward = jax.jit(jaxpr_as_fun(sp.backward), out_shardings=grad_shardings)
+                 for a, s in zip(sp.backward_program.in_avals, bwd_shardings, strict=True)]
+    backward = jax.jit(sp.backward_program.fn, out_shardings=grad_shardings)
     programs["backward"] = exported(backward, *bwd_specs)
     return programs
 

@@ -39,11 +39,17 @@ class Program:
         return jax.make_jaxpr(self.fn)(*self.in_avals)
 
     @classmethod
-    def of(cls, closed: ClosedJaxpr) -> Program:
+    def of(cls, closed: ClosedJaxpr, name: str) -> Program:
         """A program given as a closed jaxpr (a rewritten one)."""
-        program = cls(jaxpr_as_fun(closed), tuple(closed.in_avals))
+        program = cls(_named(jaxpr_as_fun(closed), name), tuple(closed.in_avals))
         program.__dict__["closed"] = closed  # already traced
         return program
+
+
+def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """`fn` under `name`, which XLA's op names begin with (`jit(backward)/...`)."""
+    fn.__name__ = fn.__qualname__ = name
+    return fn
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -110,11 +116,11 @@ def split(graph: JointGraph, saved: dict[Var, str], absent: Sequence[Var] = ()) 
     fwd_in = list(graph.inputs)
     bwd_in = list(activations) + [graph.inputs[i] for i in saved_inputs] + [
         v for v in graph.cotangents if v not in zero]
-    forward = _emit(graph, fwd_idx, fwd_in, list(graph.outputs) + list(activations))
+    forward = _emit(graph, "forward", fwd_idx, fwd_in, list(graph.outputs) + list(activations))
     order = recompute_late(graph, bwd_idx)
     groups = schedule.plan([graph.eqns[i] for i in order], graph.backward - zero, graph.devices,
                            step_inputs=frozenset(graph.inputs))
-    backward = _emit(graph, order, bwd_in, list(graph.grads),
+    backward = _emit(graph, "backward", order, bwd_in, list(graph.grads),
                      before_eqn=schedule.tie(groups, schedule.tie_by_data()),
                      zeros=_zeros_read(graph, order, zero))
     reasons = tuple(saved[v] for v in activations) + tuple(saved[graph.inputs[i]] for i in saved_inputs)
@@ -145,7 +151,7 @@ def _in_order(graph: JointGraph, values: Sequence[Var]) -> list[Var]:
     return sorted(values, key=lambda v: rank.get(v, graph.producer.get(v, 0)))
 
 
-def _emit(graph: JointGraph, idx: list[int], invars: list[Var], outvars: list,
+def _emit(graph: JointGraph, name: str, idx: list[int], invars: list[Var], outvars: list,
           before_eqn: Callable[[int, dict], None] | None = None, zeros: Sequence[Var] = ()) -> Program:
     """The program re-binding the selected joint equations; `zeros` are values known to
     be zero, given as zeros."""
@@ -157,4 +163,4 @@ def _emit(graph: JointGraph, idx: list[int], invars: list[Var], outvars: list,
         return eval_jaxpr(jaxpr, graph.closed.consts, filled, invars=[*invars, *zeros], eqns=eqns,
                           outvars=outvars, before_eqn=before_eqn)
 
-    return Program(program, tuple(v.aval for v in invars))
+    return Program(_named(program, name), tuple(v.aval for v in invars))
