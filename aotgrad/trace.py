@@ -90,12 +90,15 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
     re-bind forward equations before differentiation (scan bodies cut on their own,
     `partition.scan`). Every equation carries the sequence number of the forward
     equation it comes from (`provenance`). `device` and `staged`: what the programs are
-    built for and whether they run as one (`JointGraph`).
+    built for and whether they run as one (`JointGraph`). Nested `jit` / `closed_call`s
+    are inlined, so the partitioner sees every primitive: the forward's as they are
+    differentiated, and any a derivative rule makes by a second pass.
     """
     in_avals = list(fwd.in_avals)
     diff_pos = [i for i, p in enumerate(perturbed) if p]
     ct_pos = [j for j, c in enumerate(has_ct) if c]
     ct_avals = [fwd.out_avals[j].strip_weak_type() for j in ct_pos]
+    inline = {**INLINE_RULES, **(rules or {})}
 
     def joint(*args: Any) -> tuple[list[Any], list[Any]]:
         inputs, cts = list(args[:len(in_avals)]), args[len(in_avals):]
@@ -104,7 +107,7 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
             full = list(inputs)
             for i, d in zip(diff_pos, diff):
                 full[i] = d
-            return fwd(*full, rules=rules, number=True)
+            return fwd(*full, rules=inline, number=True)
 
         outs, vjp = jax.vjp(f, *[inputs[i] for i in diff_pos])
         full_cts = [_zero_cotangent(a) for a in fwd.out_avals]
@@ -113,11 +116,11 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
         return outs, list(vjp(full_cts))
 
     closed = jax.make_jaxpr(joint)(*in_avals, *ct_avals)
-    # Inline nested jit / closed_call so the partitioner sees every primitive.
-    inlined = jax.make_jaxpr(lambda *xs: eval_jaxpr(closed.jaxpr, closed.consts, xs, INLINE_RULES))(
-        *in_avals, *ct_avals)
+    if any(e.primitive in INLINE_RULES for e in closed.jaxpr.eqns):  # a derivative rule's call
+        closed = jax.make_jaxpr(lambda *xs: eval_jaxpr(closed.jaxpr, closed.consts, xs, INLINE_RULES))(
+            *in_avals, *ct_avals)
     devices, splits = input_layout(in_avals, perturbed)
-    return JointGraph(inlined, n_inputs=len(in_avals), n_outs=len(fwd.out_avals), device=device,
+    return JointGraph(closed, n_inputs=len(in_avals), n_outs=len(fwd.out_avals), device=device,
                       staged=staged, devices=devices, input_splits=splits)
 
 
