@@ -4,14 +4,16 @@ unrolled GPTs of tiny width (so the graph, not arithmetic, is what costs).
 Each run lowers `jax.jit(jax.value_and_grad(f))` (plain) and
 `jax.jit(jax.value_and_grad(aotgrad.compile(f)))` (aotgrad, under the budget) back to back
 in one process, interleaved over `--repeats` rounds (after one warm-up on a 2-layer
-model); the table gives the medians and their ratio, of wall-clock seconds and of this process's CPU seconds (steadier
-where other work shares the machine).
+model), each timed with a full garbage collection after it; the table gives the medians
+and their ratio, of wall-clock seconds and of this process's CPU seconds (steadier where
+other work shares the machine).
 
     python -m benchmarks.planning_time --layers 12,24,48,96 --budgets 1,0.5,0 [--out t.json]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -26,10 +28,14 @@ SIZES = {"batch": 1, "seq": 8, "d_model": 16, "heads": 2, "vocab": 32}
 
 
 def _lower_seconds(make: Callable[[], Callable[..., Any]], *args: Any) -> tuple[float, float]:
-    """Wall-clock and CPU seconds to lower the step."""
+    """Wall-clock and CPU seconds to lower the step, and then to collect the garbage it
+    left: what a lowering defers to the cycle collector (aotgrad holds it off while it
+    plans) is charged to it, and each lowering starts from a collected heap."""
     step = jax.jit(jax.value_and_grad(make()))
+    gc.collect()
     t0, c0 = time.perf_counter(), time.process_time()
     step.lower(*args)
+    gc.collect()
     return time.perf_counter() - t0, time.process_time() - c0
 
 
