@@ -1,6 +1,7 @@
 """Smoke test of the benchmark suite (benchmarks/): a tiny suite end to end, through the
 command line and in-process; suite files that parse; registry pick-up; failures that
-are reported and do not stop the run. Takes a few seconds."""
+are reported and do not stop the run; the planning-time benchmark on a 2-layer GPT. Takes
+a few seconds."""
 from __future__ import annotations
 
 import dataclasses
@@ -493,3 +494,13 @@ def test_the_table_fits_120_columns_names_its_columns_and_marks_noise() -> None:
     assert " 1.20x" in lines["aotgrad:min_cut@0.5"] and "~" not in lines["aotgrad:min_cut@0.5"]
     assert "FAILED: build: no" in lines["aotgrad:broken"]
     assert len(format_table(rows, width=80).split("\nstrategy")) > len(table.split("\nstrategy"))  # wraps
+
+
+def test_planning_time_writes_a_row_per_depth_and_budget(tmp_path: Path, capsys) -> None:
+    from benchmarks import planning_time
+    out = tmp_path / "planning.json"
+    planning_time.main(["--layers", "2", "--budgets", "1,0", "--repeats", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["layers"], r["budget"]) for r in rows] == [(2, 1.0), (2, 0.0)]
+    assert all(r["plain_s"] > 0 and r["aotgrad_s"] > 0 and r["ratio"] > 0 for r in rows)
+    assert "layers budget" in capsys.readouterr().out
