@@ -82,13 +82,14 @@ primitives = types.SimpleNamespace(
 traceback_util.register_exclusion(os.path.dirname(__file__))
 
 
-def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+def bind_eqn(eqn: Any, invals: Sequence[Any], call: Callable[..., Any] | None = None) -> list[Any]:
     """Binds `eqn`'s primitive on new inputs under the equation's own source info and
-    context, as `jax.core.eval_jaxpr` does; returns the outputs as a list."""
+    context, as `jax.core.eval_jaxpr` does; returns the outputs as a list. `call`, when
+    given, binds it instead (a function of the inputs that binds the same primitive)."""
     params = eqn.primitive.get_bind_params(eqn.params)
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-        out = eqn.primitive.bind(*invals, **params)
+        out = eqn.primitive.bind(*invals, **params) if call is None else call(*invals)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 

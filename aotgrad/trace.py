@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr
+from jax.extend.core import ClosedJaxpr, JaxprEqn
 from jax.tree_util import tree_flatten
 
-from aotgrad._jax_internals import bind_eqn
+from aotgrad._jax_internals import bind_eqn, source_line
 from aotgrad.devices import DeviceProfile, device_count_of
-from aotgrad.interpret import INLINE_RULES, eval_jaxpr
+from aotgrad.interpret import INLINE_RULES, Rule, eval_jaxpr, sub_jaxprs
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.shards import Split, input_splits
 from aotgrad.provenance import numbered
@@ -40,13 +40,14 @@ class ForwardTrace:
     def out_avals(self) -> tuple[Any, ...]:
         return tuple(self.jaxpr.out_avals)
 
-    def __call__(self, *inputs: Any, rules: dict | None = None, number: bool = False) -> list[Any]:
-        """(consts..., leaves...) -> flat outputs; `rules` as in `interpret.eval_jaxpr`.
-        `number`: bind each equation under its sequence number (`provenance`)."""
+    def __call__(self, *inputs: Any, rules: dict | None = None, number: bool = False,
+                 bind: Rule = bind_eqn) -> list[Any]:
+        """(consts..., leaves...) -> flat outputs; `rules` and `bind` as in
+        `interpret.eval_jaxpr`. `number`: bind each equation under its sequence number
+        (`provenance`)."""
         n = len(self.consts)
-        bind = bind_eqn
         if number:
-            rules, bind = numbered(self.jaxpr.jaxpr, rules)
+            rules, bind = numbered(self.jaxpr.jaxpr, rules, bind)
         return eval_jaxpr(self.jaxpr.jaxpr, inputs[:n], inputs[n:], rules, bind=bind)
 
 
@@ -107,7 +108,7 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
             full = list(inputs)
             for i, d in zip(diff_pos, diff):
                 full[i] = d
-            return fwd(*full, rules=inline, number=True)
+            return fwd(*full, rules=inline, number=True, bind=_Repeated())
 
         outs, vjp = jax.vjp(f, *[inputs[i] for i in diff_pos])
         full_cts = [_zero_cotangent(a) for a in fwd.out_avals]
@@ -122,6 +123,39 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
     devices, splits = input_layout(in_avals, perturbed)
     return JointGraph(closed, n_inputs=len(in_avals), n_outs=len(fwd.out_avals), device=device,
                       staged=staged, devices=devices, input_splits=splits)
+
+
+class _Repeated:
+    """Binds forward equations through one inlined `jax.jit` call per distinct primitive,
+    parameters, operand types, context and source line. JAX differentiates a jitted call
+    once per distinct body (it keeps the derivative of each jaxpr it has seen), so what a
+    deep model repeats layer after layer is differentiated once, not once per layer. The
+    calls are inlined where they are staged: the joint graph holds the same equations,
+    under the same names and source lines, either way. Equations with effects or bodies
+    (scans, calls, custom derivatives) are bound as they are."""
+
+    def __init__(self) -> None:
+        self.calls: dict[tuple, Callable[..., Any]] = {}
+
+    def __call__(self, eqn: JaxprEqn, invals: list) -> list:
+        if eqn.effects or sub_jaxprs(eqn):
+            return bind_eqn(eqn, invals)
+        key = (eqn.primitive, tuple(eqn.params.items()), tuple(map(jax.typeof, invals)), eqn.ctx, source_line(eqn))
+        try:
+            call = self.calls.get(key)
+        except TypeError:  # a parameter that cannot be hashed
+            return bind_eqn(eqn, invals)
+        if call is None:
+            call = self.calls[key] = jax.jit(_binder(eqn), inline=True)
+        return bind_eqn(eqn, invals, call)
+
+
+def _binder(eqn: JaxprEqn) -> Callable[..., Any]:
+    primitive, params = eqn.primitive, eqn.primitive.get_bind_params(eqn.params)
+
+    def bind(*args: Any) -> Any:
+        return primitive.bind(*args, **params)
+    return bind
 
 
 def input_layout(in_avals: Sequence[Any], perturbed: Sequence[bool]) -> tuple[int, tuple[Split | None, ...]]:

@@ -16,6 +16,8 @@ import pytest
 from jax.extend.core import Var
 
 import aotgrad
+from aotgrad import trace
+from aotgrad._jax_internals import bind_eqn, source_line
 from aotgrad.collector import collector_paused
 from aotgrad.devices import profile_named
 from aotgrad.partition import budget, fusion, order, peak, peak_arrays, schedule
@@ -130,6 +132,35 @@ def test_the_collector_waits_while_a_pair_is_planned(under_jit: bool) -> None:
     finally:
         registration.remove()
         (gc.enable if was else gc.disable)()
+
+
+def _joint_text(kind: str, sizes: dict) -> str:
+    """The joint graph as text, with each equation's name stack and source line."""
+    graph = _graph(kind, sizes, True)
+    return str(graph.closed) + "\n".join(f"{e.source_info.name_stack} | {source_line(e)}" for e in graph.eqns)
+
+
+@pytest.mark.parametrize("kind,sizes", WORKLOADS + [("transformer_block", dict(batch=2, seq=8, d_model=16, heads=2))])
+def test_repeated_equations_are_differentiated_once_into_the_same_joint_graph(kind: str, sizes: dict,
+                                                                               monkeypatch) -> None:
+    """The joint trace binds forward equations through one inlined jitted call per distinct
+    equation (`trace._Repeated`): the graph is the same, names and source lines included,
+    as when each is bound on its own, and a deeper model makes no more calls."""
+    made: list = []
+
+    class Counted(trace._Repeated):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(trace, "_Repeated", Counted)
+    cached = _joint_text(kind, sizes)
+    monkeypatch.setattr(trace, "_Repeated", lambda: bind_eqn)
+    assert cached == _joint_text(kind, sizes)
+    if kind == "gpt":
+        monkeypatch.setattr(trace, "_Repeated", Counted)
+        _graph(kind, {**sizes, "layers": 6}, True)
+        assert 0 < len(made[-1].calls) == len(made[0].calls)  # 6 layers: as many as 3
 
 
 @pytest.mark.parametrize("budget", [1.0, 0.5])
