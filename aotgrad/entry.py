@@ -5,6 +5,7 @@ use) and the `jax.custom_vjp` glue that makes a call differentiable by `jax.grad
 joint graph (`compiled_entry`), an export's loaded entry wraps the exported programs."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -147,22 +148,19 @@ class Entry:
         def call(*inputs: Any) -> list[Any]:
             return entry.forward_only(*inputs)
 
-        def fwd(*primals: Any) -> tuple[list[Any], Saved]:
-            if staging():  # planning and tracing the programs: the collector waits (`collector`)
-                with collector_paused():
-                    return run_forward(primals, entry.by_staging)
-            return run_forward(primals, False)
+        def while_tracing() -> contextlib.AbstractContextManager:
+            """Planning and tracing the programs into a step: the collector waits (`collector`)."""
+            return collector_paused() if staging() else contextlib.nullcontext()
 
-        def run_forward(primals: Sequence[Any], staged: bool) -> tuple[list[Any], Saved]:
-            perturbed = tuple(bool(p.perturbed) for p in primals)
-            pair = entry.pair(perturbed, has_ct, staged)
-            return pair.run_forward([p.value for p in primals], entry.in_force())
+        def fwd(*primals: Any) -> tuple[list[Any], Saved]:
+            with while_tracing():
+                perturbed = tuple(bool(p.perturbed) for p in primals)
+                pair = entry.pair(perturbed, has_ct, staging() and entry.by_staging)
+                return pair.run_forward([p.value for p in primals], entry.in_force())
 
         def bwd(saved: Saved, cts: Sequence[Any]) -> tuple[Any, ...]:
-            if staging():
-                with collector_paused():
-                    return run_backward(saved, cts)
-            return run_backward(saved, cts)
+            with while_tracing():
+                return run_backward(saved, cts)
 
         def run_backward(saved: Saved, cts: Sequence[Any]) -> tuple[Any, ...]:
             pair = saved.pair
