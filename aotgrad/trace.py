@@ -11,7 +11,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, JaxprEqn
 from jax.tree_util import tree_flatten
 
-from aotgrad._jax_internals import bind_eqn, source_line
+from aotgrad._jax_internals import INLINE_WHEN_STAGED, bind_eqn, source_line
 from aotgrad.devices import DeviceProfile, device_count_of
 from aotgrad.interpret import INLINE_RULES, Rule, eval_jaxpr, sub_jaxprs
 from aotgrad.partition.graph import JointGraph
@@ -146,7 +146,7 @@ class _Repeated:
         except TypeError:  # a parameter that cannot be hashed
             return bind_eqn(eqn, invals)
         if call is None:
-            call = self.calls[key] = jax.jit(_binder(eqn), inline=True)
+            call = self.calls[key] = jax.jit(_binder(eqn), inline=INLINE_WHEN_STAGED)
         return bind_eqn(eqn, invals, call)
 
 

@@ -205,9 +205,11 @@ def _untied_first(graph: JointGraph, idx: list[int], waiting: AbstractSet[int]) 
     backward, operands = table(graph).backward, order.links(graph).forward_operands
     early: list[int] = []
     late: list[int] = []
-    made_late: set[int] = set()  # an equation reading what these make stays late too
+    made_late: set[int] = set()  # recomputation reading what these make stays late too
     for n, i in enumerate(idx):
-        if n not in waiting and not backward[i] and made_late.isdisjoint(operands[i]):
+        if backward[i]:  # (forward equations never read what these make)
+            late.append(i)
+        elif n not in waiting and made_late.isdisjoint(operands[i]):
             early.append(i)
         else:
             late.append(i)

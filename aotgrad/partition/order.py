@@ -109,16 +109,19 @@ def _late(lk: Links, idx: Sequence[int]) -> tuple[list[int], list[tuple[int, int
     order: list[int] = []
     runs: list[tuple[int, int]] = []
     for i in idx:
-        if backward[i]:
-            if pending and not pending.isdisjoint(operands[i]):
-                start = len(order)
-                _emit(i, operands, pending, order)
-                runs.append((start, len(order) - 1))
-            else:  # nothing to recompute first
-                order.append(i)
-    for i in idx:  # recomputed values returned directly as gradients
-        if i in pending:
+        if not backward[i]:
+            continue
+        ops = operands[i]
+        if ops and pending and not pending.isdisjoint(ops):
+            start = len(order)
             _emit(i, operands, pending, order)
+            runs.append((start, len(order) - 1))
+        else:  # nothing to recompute first
+            order.append(i)
+    if pending:  # recomputed values returned directly as gradients
+        for i in idx:
+            if i in pending:
+                _emit(i, operands, pending, order)
     return order, runs
 
 
