@@ -110,24 +110,31 @@ def test_collector_paused_restores_the_collector(enabled: bool) -> None:
 
 @pytest.mark.parametrize("under_jit", [True, False])
 def test_the_collector_waits_while_a_pair_is_planned(under_jit: bool) -> None:
-    """The partitioner runs with the cycle collector off, eagerly and under jax.jit; it is
-    on again after, as the caller had it."""
+    """The partitioner runs with the cycle collector off, eagerly and under jax.jit, and
+    under jax.jit so does the tracing of the backward into the step (a hook is traced
+    there); it is on again after, as the caller had it."""
     seen: list[tuple[str, bool]] = []
 
     def strategy(graph, budget):
         seen.append(("plan", gc.isenabled()))
         return save_what_backward_reads(graph, budget)
 
+    def prehook(ct):
+        seen.append(("backward", gc.isenabled()))
+        return ct
+
     registration = aotgrad.register_partitioner("watch_collector", strategy)
     was = gc.isenabled()
     gc.enable()
     try:
         f = aotgrad.compile(lambda w, x: jax.numpy.sum(jax.numpy.tanh(x @ w)))
+        f.register_prehook(prehook)
         w, x = jax.numpy.ones((4, 4)), jax.numpy.ones((2, 4))
         with aotgrad.config.patch(partitioner="watch_collector"):
             grad = jax.grad(lambda w: f(w, x))
             (jax.jit(grad) if under_jit else grad)(w)
         assert ("plan", False) in seen and ("plan", True) not in seen
+        assert ("backward", not under_jit) in seen and ("backward", under_jit) not in seen
         assert gc.isenabled()
     finally:
         registration.remove()
