@@ -287,3 +287,24 @@ def test_budget_zero_is_no_higher_than_budget_one_on_a_convnet() -> None:
         with aotgrad.config.patch(activation_memory_budget=budget):
             peaks.append(aotgrad.explain(aotgrad.compile(w.loss_fn), w.params, w.batch, argnums=0).memory.peak)
     assert peaks[0] <= peaks[1], peaks
+
+
+def test_the_policies_own_shapes_are_candidates_on_a_gpu_whatever_head_is_found() -> None:
+    """On a GPU the policy-shaped cuts are offered with the loss head free too; they are
+    offered without it as well, so a head found too wide cannot hide the policies' own
+    shapes. The held-out stack (separate q/k/v projections, transposed heads, no
+    vocabulary head) is such a model: its backward reads few boundaries, and the head
+    found spans much of it. Among the candidates: a cut saving exactly the matmul
+    outputs (`dots_saveable`'s shape) and one saving exactly those without batch
+    dimensions (`dots_with_no_batch_dims_saveable`'s)."""
+    from benchmarks.workloads import build
+    w = build("stack_plain", "stack", {"batch": 2, "seq": 32, "d_model": 32, "heads": 2, "layers": 3})
+    graph = aotgrad.compile(w.loss_fn).trace(w.params, w.batch).pair(0, under_jit=True).graph
+    problem = min_cut.Problem.of(dataclasses.replace(graph, device=profile_named("h100")))
+    assert len(head(problem, boundaries(problem)))  # the device keeps a head, found on this model
+    relaxed = problem.recompute_costs(allow_costly=True)
+    cuts = budget_mod.ladder(problem, relaxed) + budget_mod._with_boundaries(problem, relaxed)
+    inputs = set(graph.inputs)
+    saved_sets = [{v for v in c.saved if v not in inputs} for c in cuts]
+    for shape in budget_mod.matmul_outputs(problem):
+        assert {problem.values[k] for k in shape} in saved_sets

@@ -41,11 +41,14 @@ The candidates:
   point free as well as the head, 8 data-parallel H100s peaked 1.4x higher.)
 - The shapes of the checkpoint policies: every matmul output (`dots_saveable`) or those
   without batch dimensions (`dots_with_no_batch_dims_saveable`) free to save, with no
-  layer point, every one or every second free beside them (`policy_points`), and the
-  loss head where the device keeps it: the rest of each layer is recomputed from them.
-  Pricing alone never finds these: they save more bytes than the cuts of the same cost.
-  GPT-2 small on an H100: budget 0.18 takes the second, within 1.02x of that policy's
-  peak, bytes and FLOPs; the scanned GPT-2 small, budget 0.36.
+  layer point, every one or every second free beside them (`policy_points`), each with
+  and without the loss head free where the device keeps it: the rest of each layer is
+  recomputed from them. Pricing alone never finds these: they save more bytes than the
+  cuts of the same cost. GPT-2 small on an H100: budget 0.18 takes the second, within
+  1.02x of that policy's peak, bytes and FLOPs; the scanned GPT-2 small, budget 0.36.
+  (Without the head they are the policies' own shapes: on the held-out stacks, where
+  the backward reads few boundaries and the head found spans most of the model, only
+  those saved less than nearly everything.)
 
 A budget in bytes (`Bytes`, "12GB") is the limit itself: the cheapest candidate whose
 estimated step peak is at most that many bytes; if none is, `BudgetUnreachable` names the
@@ -221,9 +224,11 @@ def _with_boundaries(problem: Problem, relaxed: np.ndarray, stacked: bool = Fals
     if len(loss_head):  # the coarsest cuts again, the loss head free to save
         for points_free in spaced or [free]:
             cuts += _priced(problem, relaxed, np.concatenate([points_free, loss_head]), PRICES[-1:])
+    heads = [free[:0], loss_head] if len(loss_head) else [free[:0]]
     for dots in matmul_outputs(problem):  # the shapes of the checkpoint policies (above)
         for points_free in policy_points(free, spaced):
-            cuts += _priced(problem, relaxed, np.concatenate([points_free, dots, loss_head]), PRICES[-1:])
+            for kept_head in heads:
+                cuts += _priced(problem, relaxed, np.concatenate([points_free, dots, kept_head]), PRICES[-1:])
     return cuts
 
 
