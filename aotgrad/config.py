@@ -289,7 +289,8 @@ class Config:
 
     def keyed_overrides(self) -> tuple[tuple[str, Any], ...]:
         """The options patched in the current context that change programs, innermost last."""
-        return keyed_only(self._overrides.get())
+        overrides = self._overrides.get()
+        return keyed_only(overrides) if overrides else ()
 
     def snapshot(self) -> Snapshot:
         """The effective options for the current context (cheap: cached per state)."""

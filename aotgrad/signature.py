@@ -157,9 +157,21 @@ def aval_key(aval: Any) -> tuple:
     return base + (varying,) if varying else base
 
 
+# `aval_key` per type, worked out once: JAX interns its types (one object per distinct
+# type, compared by identity), so a type is found by a cheap hash. Cleared when full.
+_KEYS: dict[Any, tuple] = {}
+_MAX_KEYS = 4096
+
+
 def leaf_key(x: Any) -> tuple:
     """What tracing needs to know about one argument leaf; fast for concrete arrays."""
-    return aval_key(x.aval if type(x) is ArrayImpl else jax.typeof(x))
+    aval = x.aval if type(x) is ArrayImpl else jax.typeof(x)
+    key = _KEYS.get(aval)
+    if key is None:
+        if len(_KEYS) >= _MAX_KEYS:
+            _KEYS.clear()
+        key = _KEYS[aval] = aval_key(aval)
+    return key
 
 
 def key_text(key: tuple) -> str:
@@ -259,7 +271,10 @@ class ArgSpec:
         strings, arbitrary objects) becomes a `Static` marker in the tree structure. Python
         scalars inside an `equinox.Module` are static, as under `eqx.filter_jit`."""
         leaves, tree = tree_flatten((dyn_args, dyn_kwargs))
-        if all(type(x) is ArrayImpl or isinstance(x, _ARRAYS) for x in leaves):
+        for x in leaves:  # (a loop: every call takes this path)
+            if type(x) is not ArrayImpl and not isinstance(x, _ARRAYS):
+                break
+        else:  # arrays only
             return leaves, tree
         if self.python_scalars == "traced":
             leaves, tree = tree_flatten(_module_scalars_static((dyn_args, dyn_kwargs)))

@@ -514,3 +514,21 @@ def test_compile_keeps_the_signature_for_type_checkers():
     assert typing.get_origin(configured) is collections.abc.Callable
     assert typing.get_args(configured)[1] == function.AOTFunction[function.P, function.R]
     assert aotgrad.AOTFunction[[int, float], int] is not None  # subscriptable as a type
+
+
+def test_argument_types_are_keyed_exactly_through_the_key_cache(monkeypatch):
+    """A call's cache key holds each leaf's type (`signature.leaf_key`), remembered per type
+    (JAX's types are interned). Arrays that differ only in dtype, shape or weak type get
+    entries of their own, also once the remembered keys were dropped for being too many;
+    the same types hit, with JAX's values."""
+    from aotgrad import signature
+    monkeypatch.setattr(signature, "_MAX_KEYS", 2)
+    f = aotgrad.compile(lambda x: jnp.sum(jnp.sin(x) * 2))
+    cases = [jnp.ones(3), jnp.ones(3, jnp.bfloat16), jnp.ones(4), jnp.array(1.0, jnp.float32), 1.0]
+    for _ in range(2):
+        for x in cases:
+            got, want = f(x), jnp.sum(jnp.sin(x) * 2)
+            assert got.dtype == want.dtype and jnp.allclose(got, want)
+            assert signature.leaf_key(x) == signature.aval_key(jax.typeof(x))
+    assert f.cache_info().entries == len({signature.aval_key(jax.typeof(x)) for x in cases}) == 5
+    assert len(signature._KEYS) <= 2
