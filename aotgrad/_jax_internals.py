@@ -59,7 +59,8 @@ from jax._src.lax import lax as _lax  # noqa: E402
 from jax._src.lax import linalg, parallel  # noqa: E402
 from jax._src.random import prng  # noqa: E402
 
-__all__ = ["INLINE_WHEN_STAGED", "JAX_VERSION", "MIN_JAX", "ArrayImpl", "ScanParams", "Tracer", "bind_eqn", "eqn_context",
+__all__ = ["INLINE_WHEN_STAGED", "JAX_VERSION", "MIN_JAX", "ArrayImpl", "ScanParams", "Tracer", "bind_eqn",
+           "eqn_context",
            "hlo_cost", "is_jaxpr", "jax_primitives", "jit_key_state", "name_scopes", "open_jaxpr", "primitives", "reset_compilation_cache", "scan_params",
            "source_line", "staging", "short_source_line", "varying_axes", "wrap_like"]
 
@@ -90,12 +91,10 @@ def bind_eqn(eqn: Any, invals: Sequence[Any], call: Callable[..., Any] | None = 
     """Binds `eqn`'s primitive on new inputs under the equation's own source info and
     context, as `jax.core.eval_jaxpr` does; returns the outputs as a list. `call`, when
     given, binds it instead (a function of the inputs that binds the same primitive)."""
-    if call is None:
-        params = eqn.primitive.get_bind_params(eqn.params)
-        call = functools.partial(eqn.primitive.bind, **params)
+    params = eqn.primitive.get_bind_params(eqn.params) if call is None else None
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-        out = call(*invals)
+        out = eqn.primitive.bind(*invals, **params) if call is None else call(*invals)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 

@@ -19,6 +19,7 @@ from aotgrad.partition.boundaries import boundaries, head, layer_points
 from aotgrad.partition.peak import _program_peak
 from aotgrad.partition.traffic import _program_traffic
 from benchmarks.strategies import xla_peak
+from benchmarks.workloads import build
 from cuts import joint_graph
 
 min_cut = importlib.import_module("aotgrad.partition.min_cut")  # the module, not the strategy
@@ -280,7 +281,6 @@ def test_budget_zero_is_no_higher_than_budget_one_on_a_convnet() -> None:
     An estimate that took it as fused found saving nothing lowest (5 MB against XLA's
     17 MB) and made budget 0 1.18x budget 1's peak; by XLA's own count it must not be
     higher."""
-    from benchmarks.workloads import build
     w = build("convnet", "convnet", dict(batch=16, image=32, channels=[32, 64, 128], classes=10))
     peaks = []
     for budget in (0.0, 1.0):
@@ -297,7 +297,6 @@ def test_the_policies_own_shapes_are_candidates_on_a_gpu_whatever_head_is_found(
     found spans much of it. Among the candidates: a cut saving exactly the matmul
     outputs (`dots_saveable`'s shape) and one saving exactly those without batch
     dimensions (`dots_with_no_batch_dims_saveable`'s)."""
-    from benchmarks.workloads import build
     w = build("stack_plain", "stack", {"batch": 2, "seq": 32, "d_model": 32, "heads": 2, "layers": 3})
     graph = aotgrad.compile(w.loss_fn).trace(w.params, w.batch).pair(0, under_jit=True).graph
     problem = min_cut.Problem.of(dataclasses.replace(graph, device=profile_named("h100")))
