@@ -10,7 +10,8 @@ What differs between devices today:
   removes barriers, on CPU; barriers elsewhere): chosen again at lowering, per platform;
 - whether a recomputed value that a backward matmul reads costs its write and read
   (`matmul_operands_cost`), in the cuts below budget 1 (budget 1 is the fused step's plan
-  on every device): on GPU and TPU step time follows the bytes a step moves, and a matmul
+  in one jit, and run apart the cut priced by what crosses, alike on every device:
+  `min_cut.Problem.crossing`): on GPU and TPU step time follows the bytes a step moves, and a matmul
   reads its operands from memory, so a recomputed operand is written there and read back;
   a saved one was written in the forward anyway (it was a forward matmul's operand too).
   On XLA:CPU charging them did not make a step faster (an Equinox ViT at the cheapest

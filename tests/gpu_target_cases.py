@@ -204,9 +204,10 @@ def test_the_target_command_runs_budgets_it_does_not_list_and_writes_json(tmp_pa
 
 def test_explain_reports_the_programs_compiled_for_the_target(h100_args):
     """explain on arguments placed on the compile-only H100: both programs are compiled for
-    it (XLA:GPU's Triton GEMM fusions in the text, which XLA:CPU never emits), not for the host, and the backward's peak is
-    of the same order as JAX's own jitted step (`jax.value_and_grad`, the fused step the
-    cases above compile) compiled for the H100."""
+    it (XLA:GPU's Triton GEMM fusions in the text, which XLA:CPU never emits), not for the
+    host. Run apart (no outer jit), the two programs peak no higher than JAX's own jitted
+    step (`jax.value_and_grad`, the fused step the cases above compile) on the H100: budget 1
+    saves what crosses least, not what moves the fewest bytes on the device."""
     w, args = h100_args
     f = aotgrad.compile(w.loss_fn)
     compiled = f.lower(*args).compile()
@@ -216,9 +217,9 @@ def test_explain_reports_the_programs_compiled_for_the_target(h100_args):
     m = aotgrad.explain(f, *args).memory
     ref = _compile(jax.jit(jax.value_and_grad(w.loss_fn)).lower(*args), "h100 x1 dp").memory_analysis()
     fused = xla_peak(ref)
-    # The backward holds the values it reads to its end; at budget 1 it reads what the
-    # fused step keeps (1.69x the fused step's peak with jax 0.10.2's XLA:GPU).
-    assert 0.2 * fused < m.backward_peak < 2.0 * fused, (m, fused)
+    # The backward holds the values it reads to its end. Priced by the H100's traffic, the
+    # apart plan saved more and peaked at 1.05x the fused step here (GPT-2 small: 1.14x).
+    assert m.peak <= fused, (m, fused)
 
 
 def test_recomputation_moves_no_more_bytes_than_a_checkpoint_policy(cheapest_cut):
