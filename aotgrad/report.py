@@ -6,6 +6,7 @@ from typing import Any, Callable, Sequence
 
 from jax.extend.core import ClosedJaxpr
 
+from aotgrad import segments
 from aotgrad._jax_internals import source_line
 from aotgrad.api import AOTFunction, Lowered, Traced
 from aotgrad.api import compile as aot_compile
@@ -42,6 +43,9 @@ class Memory:
     backward_temp: int | None
     forward_peak: int | None  # arguments + outputs (saved values included) + scratch
     backward_peak: int | None  # saved values + cotangents + gradients + scratch
+    # Programs the backward runs as: more than one under donate_saved where releasing the
+    # saved values as they are read peaks lower (`segments.py`; its peak then theirs).
+    backward_programs: int = 1
 
     @property
     def peak(self) -> int | None:
@@ -131,6 +135,9 @@ class Report:
             m = self.memory
             lines.append(f"XLA memory: forward peak {_mb(m.forward_peak or 0)} (scratch {_mb(m.forward_temp or 0)}), "
                          f"backward peak {_mb(m.backward_peak or 0)} (scratch {_mb(m.backward_temp or 0)})")
+            if m.backward_programs > 1:
+                lines.append(f"the backward runs as {m.backward_programs} programs, each releasing the saved "
+                             f"values it reads last (donate_saved)")
         if self.backward_by_op:
             lines.extend(self._backward_table(TOP_BACKWARD_OPS))
         t = self.timings
@@ -196,7 +203,23 @@ def explain(fn: Callable, *args: Any, argnums: int | Sequence[int] | None = None
         perturbed = traced.entry.perturbed_for(argnum_positions(who, argnums, len(args)))
     pair = traced.pair(perturbed=perturbed, under_jit=under_jit)
     compiled = Lowered(f.name, pair, *pair.lower(traced.inputs)).compile()
-    return report_of(traced, pair, compiled.timings, Memory.of(compiled))
+    return report_of(traced, pair, compiled.timings, _segmented(pair, traced.inputs, Memory.of(compiled)))
+
+
+def _segmented(pair: ProgramPair, inputs: Sequence[Any], memory: Memory) -> Memory:
+    """`memory` with the backward's peak as it runs under donate_saved: in segments where
+    they peak lower (`segments.chosen`), on the inputs' device."""
+    shardings = {getattr(x, "sharding", None) for x in inputs}
+    if (not pair.donate_saved or pair.detect_anomaly or pair.staged or memory.backward_peak is None
+            or len(shardings) != 1):
+        return memory
+    sharding, = shardings
+    if sharding is not None and len(sharding.device_set) > 1:
+        return memory  # several devices: one program (it pins the gradients' shardings)
+    found = segments.chosen(pair.split.backward, pair.n_activations, memory.backward_peak, sharding)
+    if found is None:
+        return memory
+    return dataclasses.replace(memory, backward_peak=found.peak(sharding), backward_programs=len(found.segments))
 
 
 def report_of(traced: Traced, pair: Pair, timings: Timings, memory: Memory | None, costs: bool = True) -> Report:

@@ -17,6 +17,7 @@ from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.config import Snapshot
 from aotgrad.hooks import InForce, with_hooks
 from aotgrad.partition import JointGraph, Split, without_cotangents
+from aotgrad import segments
 from aotgrad.signature import ArrayImpl
 from aotgrad.trace import ForwardTrace
 
@@ -232,8 +233,13 @@ class Backward:
 
 
 class GuardedBackward(Backward):
-    """The backward under donate_saved (it refuses released values and releases them after)
-    and/or detect_anomaly (it raises where a NaN/Inf first appeared)."""
+    """The backward under donate_saved (it refuses released values and releases them,
+    each after the segment of the backward that reads it last: `segments.py`) and/or
+    detect_anomaly (it raises where a NaN/Inf first appeared)."""
+
+    def __init__(self, pair: ProgramPair) -> None:
+        super().__init__(pair)
+        self.segmented_programs: dict[Any, segments.Segmented | None] = {}  # per present cotangents
 
     def __call__(self, saved: "Saved", cts: Sequence[Any], present: tuple[bool, ...] | None = None) -> list[Any]:
         pair = self.pair
@@ -243,11 +249,29 @@ class GuardedBackward(Backward):
         if pair.detect_anomaly and present is not None:
             # Anomaly reports index the full backward's equations: it gets the zeros.
             cts, present = _with_zeros(cts, present, pair.split.backward_program.in_avals[-len(present):]), None
-        results = self.program(saved.grad_shardings, present, saved.hooks)(*saved.arrays, *cts)
+        program = self.program(saved.grad_shardings, present, saved.hooks)
+        if (not pair.detect_anomaly and saved.hooks is None and saved.grad_shardings is None
+                and len(owned) == pair.n_activations):  # concrete values on one device
+            program = self.segmented(present) or program
+        results = program(*saved.arrays, *cts)
         if pair.donate_saved:
             for a in owned:  # XLA consumed those it aliased; release the rest now
-                a.delete()
+                if not a.is_deleted():
+                    a.delete()
         return anomaly.check(pair, results) if pair.detect_anomaly else results
+
+    def segmented(self, present: tuple[bool, ...] | None = None) -> segments.Segmented | None:
+        """Under donate_saved, the backward (taking the cotangents marked `present`) as
+        programs that release the saved values as they are read, where that peaks lower
+        on the default device (`segments.chosen`); None: one program."""
+        if not self.pair.donate_saved or self.pair.detect_anomaly:
+            return None
+        if present not in self.segmented_programs:  # decided when first run (two compiles)
+            pair = self.pair
+            backward = pair.split.backward_program if present is None else pair.backward_without(present)
+            self.segmented_programs[present] = segments.chosen(backward.closed, pair.n_activations,
+                                                               self.program(None, present))
+        return self.segmented_programs[present]
 
 
 @jax.tree_util.register_pytree_node_class

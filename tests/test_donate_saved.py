@@ -1,6 +1,8 @@
 """`aotgrad.config.donate_saved`: the backward takes ownership of the saved activations."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,3 +91,76 @@ def test_nothing_to_release_when_only_inputs_are_saved():
         first, second = bwd(saved, 1.0), bwd(saved, 1.0)
     _close(first, second)
     assert not x.is_deleted() and not w.is_deleted()
+
+
+# The suite's models at sizes CI compiles in seconds, for the segmented backward (a scanned
+# GPT's backward is one scan reading every saved value: nothing to cut).
+SEGMENTED = {
+    "gpt": {"batch": 4, "seq": 64, "d_model": 256, "heads": 8, "layers": 4, "vocab": 1024},
+    "mlp": {"batch": 64, "width": 128, "depth": 4},
+    "convnet": {"batch": 4, "image": 16, "channels": [8, 16], "classes": 10},
+    "rnn": {"batch": 4, "seq": 16, "d_in": 8, "hidden": 32},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SEGMENTED))
+def test_a_segmented_backward_computes_jaxs_gradients(kind):
+    """The backward cut into programs (`segments.segmented`, forced here whatever it would
+    peak) gives `jax.grad`'s gradients and releases every saved activation."""
+    from aotgrad import segments
+    from benchmarks.workloads import build
+    w = build(kind, kind, SEGMENTED[kind])
+    with aotgrad.config.patch(donate_saved=True):
+        f = aotgrad.compile(w.loss_fn)
+        fwd, bwd = aotgrad.fwd_and_bwd(f, argnums=0)
+        out, saved = fwd(w.params, w.batch)
+    pair = saved.pair
+    forced = segments.segmented(pair.split.backward, pair.n_activations)
+    assert forced is not None and len(forced.segments) > 1
+    pair.run_backward.segmented_programs[None] = forced
+    _close_to_jax(bwd(saved, jnp.ones_like(out)), w)
+    assert all(a.is_deleted() for a in saved.arrays[:pair.n_activations])
+
+
+def test_the_backward_releases_what_it_has_read_as_it_runs():
+    """Under donate_saved the suite's GPT runs its backward as several programs; saved
+    activations are released before the last one starts, and XLA's memory analysis of the
+    programs (each one's peak plus what is held beside it) is below the one program's:
+    CPU, jax 0.10.2: 34.5 MB against 46.5 (the fused jitted step: 50.7 MB)."""
+    from benchmarks.workloads import build
+    w = build("gpt", "gpt", SEGMENTED["gpt"])
+    with aotgrad.config.patch(donate_saved=True):
+        f = aotgrad.compile(w.loss_fn)
+        report = aotgrad.explain(f, w.params, w.batch, argnums=0)
+        fwd, bwd = aotgrad.fwd_and_bwd(f, argnums=0)
+        out, saved = fwd(w.params, w.batch)
+    one = aotgrad.explain(aotgrad.compile(w.loss_fn), w.params, w.batch, argnums=0).memory
+    assert report.memory.backward_programs > 1
+    assert report.memory.backward_peak < 0.8 * one.backward_peak, (report.memory, one)
+    assert "programs, each releasing the saved values it reads last" in str(report)
+    found = saved.pair.run_backward.segmented()
+    assert found is not None and len(found.segments) == report.memory.backward_programs
+    activations = saved.arrays[:saved.pair.n_activations]
+    deleted_before = []  # per program: which saved activations were released when it started
+
+    def spy(program):
+        def run(*args):
+            deleted_before.append({k for k, a in enumerate(activations) if a.is_deleted()})
+            return program(*args)
+        return run
+    saved.pair.run_backward.segmented_programs[None] = dataclasses.replace(
+        found, segments=tuple(dataclasses.replace(s, program=spy(s.program)) for s in found.segments))
+    grads = bwd(saved, jnp.ones_like(out))
+    position = {v: k for k, v in enumerate(found.closed.jaxpr.invars[:len(activations)])}
+    read_last = set()  # those an earlier program read for the last time: released, no others
+    for seg, deleted in zip(found.segments, deleted_before, strict=True):
+        assert deleted == read_last, (deleted, read_last)
+        read_last |= {position[v] for v in seg.frees if v in position}
+    assert 0 < len(deleted_before[-1]) < len(activations)
+    _close_to_jax(grads, w)
+
+
+def _close_to_jax(grads, w):
+    want = jax.grad(w.loss_fn)(w.params, w.batch)
+    for g, v in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, v, rtol=2e-4, atol=1e-5 * float(jnp.abs(v).max()))

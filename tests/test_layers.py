@@ -22,7 +22,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                "autocast", "autocast.context", "autocast.policy", "autocast.counts", "autocast.bodies", "autocast.rewrite",
                "autocast.transform"),
     "pipeline": ("config", "compilation_cache", "pipeline"),
-    "runtime": ("hooks", "anomaly", "runtime", "entry"),
+    "runtime": ("hooks", "anomaly", "segments", "runtime", "entry"),
     "api": ("nnx", "api", "api.stages", "api.cache", "api.function", "api.fwd_bwd"),
     "tools": ("report", "export", "export.blob", "export.programs", "export.loaded", "export.build",
               "planning", "planning.place", "planning.steps", "planning.measure", "planning.land", "planning.table",
