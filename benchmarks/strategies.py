@@ -7,7 +7,9 @@
   `aotgrad.config.patch(partitioner=<name>)`, one per registered partitioner;
 - `aotgrad:<name>@<budget>`: the same with `activation_memory_budget=<budget>`, for any
   registered partitioner and budget in [0, 1] or byte size per device ("2.4GB"), named
-  explicitly (`aotgrad:*` does not expand to budgets);
+  explicitly (`aotgrad:*` does not expand to budgets); `+donate_saved` after either, with
+  `donate_saved=True` too (its backward releases the saved values as it reads them,
+  `aotgrad/segments.py`; the two programs only: a compile-only target refuses it);
 - `checkpoint:<policy>`: `jax.jit(jax.value_and_grad(loss))` with `jax.checkpoint(policy=...)`
   on each layer (the scan body for scanned models), for the policies a JAX user reaches for:
   `nothing_saveable`, `dots_saveable`, `dots_with_no_batch_dims_saveable`;
@@ -42,6 +44,7 @@ from aotgrad.planning.measure import xla_peak
 from benchmarks.workloads import Workload, build
 
 __all__ = ["AOTGRAD_PREFIX", "AUTOCAST_PREFIX", "Autocast", "BASE_STRATEGIES", "BuildSeconds", "CHECKPOINT_POLICIES",
+           "DONATED",
            "Prepared", "ProgramMemory", "SavedBytes", "aotgrad_options", "autocast_strategy", "available",
            "applicable", "check_applies", "checkpointed", "expand", "first_line", "name_error", "narrow", "not_applicable", "prepare",
            "split_budget", "xla_peak"]
@@ -63,9 +66,9 @@ class SavedBytes:
 @dataclasses.dataclass(frozen=True)
 class ProgramMemory:
     """XLA's `memory_analysis()` of a strategy's programs, in bytes (None: not reported,
-    or no such program). A program's peak is its arguments + outputs + scratch (`xla_peak`;
-    no strategy donates, so nothing is aliased): for a
-    backward, the saved values, cotangents and gradients it holds besides its scratch.
+    or no such program). A program's peak is its arguments + outputs + scratch (`xla_peak`): for a
+    backward, the saved values, cotangents and gradients it holds besides its scratch
+    (under `+donate_saved`, where it runs as several programs: theirs, `report.Memory`).
     The step's peak is the larger of the two (a one-program strategy has only `forward`).
 
     `jitted_peak`: the peak of the same step inside one `jax.jit` (of `jax.value_and_grad`
@@ -156,7 +159,7 @@ def name_error(name: str) -> str | None:
     fraction in [0, 1] or a byte size per device, "2.4GB"). A glob names none."""
     try:
         if name.startswith(AOTGRAD_PREFIX):
-            split_budget(name[len(AOTGRAD_PREFIX):], name)  # "@" without a budget: an error naming the strategy
+            split_budget(name[len(AOTGRAD_PREFIX):].removesuffix(DONATED), name)  # "@" without a budget: an error
             aotgrad.config.patch(**aotgrad_options(name[len(AOTGRAD_PREFIX):]))  # checks each option
         elif name.startswith(AUTOCAST_PREFIX):
             autocast_strategy(name)
@@ -314,10 +317,14 @@ def split_budget(spec: str, name: str | None = None) -> tuple[str, dict[str, Any
     return head, ({"activation_memory_budget": budget_from_text(budget)} if budget else {})
 
 
+DONATED = "+donate_saved"  # the suffix of aotgrad strategies run with donate_saved=True
+
+
 def aotgrad_options(spec: str) -> dict[str, Any]:
-    """`aotgrad.config.patch` options of "<partitioner>[@<budget>]"."""
-    partitioner, budgeted = split_budget(spec)
-    options: dict[str, Any] = {"partitioner": partitioner, **budgeted}
+    """`aotgrad.config.patch` options of "<partitioner>[@<budget>][+donate_saved]"."""
+    donated = spec.endswith(DONATED)
+    partitioner, budgeted = split_budget(spec.removesuffix(DONATED))
+    options: dict[str, Any] = {"partitioner": partitioner, **budgeted, **({"donate_saved": True} if donated else {})}
     if partitioner not in aotgrad.partitioners():
         raise ValueError(f"partitioner {partitioner!r} is not registered "
                          f"(registered: {sorted(aotgrad.partitioners())})")
@@ -354,6 +361,10 @@ def _aotgrad(name: str, partitioner: str, w: Workload, memory: bool) -> Prepared
                      f"the forward returned {measured.activations:,}")
     saved = SavedBytes(activations=report.saved_bytes, inputs=measured.inputs, arrays=measured.arrays)
     mem = ProgramMemory.of(compiled.forward, compiled.backward, jitted) if memory else None
+    if mem is not None and report.memory is not None and report.memory.backward_programs > 1:
+        # donate_saved: the backward runs as programs releasing what they read (their peak)
+        mem = dataclasses.replace(mem, backward_peak=report.memory.backward_peak)
+        notes.append(f"the backward ran as {report.memory.backward_programs} programs (donate_saved)")
     t = compiled.timings
     build = BuildSeconds(t.trace, t.partition, t.lower, t.compile)
     return Prepared(name, step, context, grads, first, saved, mem, build, tuple(notes))
@@ -453,6 +464,10 @@ def _autocast(name: str, w: Workload, memory: bool) -> Prepared:
     saved = SavedBytes(activations=report.saved_bytes, inputs=report.saved_input_bytes,
                        arrays=len(report.saved))
     mem = ProgramMemory.of(compiled.forward, compiled.backward, jitted) if memory else None
+    if mem is not None and report.memory is not None and report.memory.backward_programs > 1:
+        # donate_saved: the backward runs as programs releasing what they read (their peak)
+        mem = dataclasses.replace(mem, backward_peak=report.memory.backward_peak)
+        notes.append(f"the backward ran as {report.memory.backward_programs} programs (donate_saved)")
     t = compiled.timings
     reference = jax.jit(jax.grad(w.loss_fn))(w.params, w.batch)
     error = max_relative_error(grads, reference)

@@ -35,8 +35,8 @@ from aotgrad.planning.measure import async_slice_excess, measure
 from aotgrad.planning.place import per_device_bytes, place
 from aotgrad.targets import resolve as resolve_target
 from benchmarks.strategies import (AOTGRAD_PREFIX, AUTOCAST_PREFIX, CHECKPOINT_PREFIX, CHECKPOINT_STRATEGIES,
-                                   PARAMETERIZED, aotgrad_options, applicable, autocast_strategy, check_applies,
-                                   checkpointed, expand, narrow)
+                                   DONATED, PARAMETERIZED, aotgrad_options, applicable, autocast_strategy,
+                                   check_applies, checkpointed, expand, narrow)
 from benchmarks.workloads import Workload, build
 
 __all__ = ["TargetRow", "async_slice_excess", "compile_step", "device_type", "format_rows", "placed_specs", "plot",
@@ -100,6 +100,9 @@ def step_and_context(strategy: str, w: Workload,
                          f"{CHECKPOINT_PREFIX}<policy>, {AOTGRAD_PREFIX}<partitioner>[@<budget>], "
                          f"{AUTOCAST_PREFIX}<bf16|fp16>[@<budget>])")
     options = aotgrad_options(strategy[len(AOTGRAD_PREFIX):])
+    if options.get("donate_saved"):
+        raise ValueError(f"strategy {strategy!r}: donate_saved changes nothing in one jit, and a target "
+                         f"compiles the jitted step; name it without {DONATED}")
     return jax.value_and_grad(aotgrad.compile(w.loss_fn)), lambda: aotgrad.config.patch(**options)
 
 

@@ -304,6 +304,22 @@ def test_a_strategy_names_a_budget_as_a_fraction_or_a_byte_size() -> None:
             pass
 
 
+def test_a_strategy_names_donate_saved_and_a_target_refuses_it() -> None:
+    """`aotgrad:min_cut@0+donate_saved` runs the two programs with `donate_saved=True`, whose
+    backward releases what it reads; a compile-only target compiles the jitted step, where
+    the option changes nothing, so it refuses the name rather than report the plain step."""
+    from benchmarks import targets
+    from benchmarks.strategies import aotgrad_options, name_error
+    from benchmarks.workloads import build
+    assert aotgrad_options("min_cut@0+donate_saved") == {"partitioner": "min_cut", "activation_memory_budget": 0.0,
+                                                        "donate_saved": True}
+    assert "donate_saved" not in aotgrad_options("min_cut@0")
+    assert name_error("aotgrad:min_cut+donate_saved") is None
+    w = build("mlp", "mlp", {"batch": 8, "width": 16, "depth": 2})
+    with pytest.raises(ValueError, match="donate_saved changes nothing in one jit"):
+        targets.step_and_context("aotgrad:min_cut+donate_saved", w)
+
+
 def test_any_budget_named_on_the_command_line_is_run_also_for_a_target() -> None:
     """`--strategies aotgrad:min_cut@0.3,aotgrad:min_cut@2.4GB` names strategies the suite and
     the target table do not list: both are run, in the order named after the listed ones; a
