@@ -261,8 +261,8 @@ def run_suite(suite: suite_mod.Suite, *, workloads: Sequence[str] | None = None,
                              suite.memory_analysis, f"[{i}/{len(specs)}]", messages)
 
     overhead_rows: list[overhead_mod.OverheadRow] = []
-    # Call overhead: one row per partitioner (budgets do not change the call path).
-    aot = [s[len(AOTGRAD_PREFIX):] for s in names if s.startswith(AOTGRAD_PREFIX) and "@" not in s]
+    # Call overhead: one row per partitioner (budgets and donate_saved do not change its call path).
+    aot = [s[len(AOTGRAD_PREFIX):] for s in names if s.startswith(AOTGRAD_PREFIX) and "@" not in s and "+" not in s]
     if with_overhead and suite.overhead is not None:
         if aot:
             try:

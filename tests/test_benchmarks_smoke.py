@@ -25,7 +25,8 @@ CLI_SUITE = """
 description = "smoke"
 repeats = 1
 min_sample_seconds = 0.0
-strategies = ["fused", "jax_fwd_and_bwd", "aotgrad:*", "aotgrad:min_cut@0.5", "aotgrad:not_a_partitioner"]
+strategies = ["fused", "jax_fwd_and_bwd", "aotgrad:*", "aotgrad:min_cut@0.5", "aotgrad:min_cut+donate_saved",
+              "aotgrad:not_a_partitioner"]
 
 [overhead]
 size = 4
@@ -68,12 +69,14 @@ def test_runner_cli_writes_expected_json(tmp_path: Path) -> None:
     assert "not_a_partitioner" in proc.stderr and "not registered" in proc.stderr
     assert "Unable to initialize backend" not in proc.stderr
     assert "tiny_mlp" in proc.stdout and "call overhead" in proc.stdout
+    assert "FAILED" not in proc.stdout + proc.stderr  # the call-overhead run took +donate_saved as a partitioner
 
     data = json.loads(out.read_text())
     assert data["machine"]["cpu_count"] >= 1 and data["machine"]["platform"]
     assert data["backend"] == "cpu"
     assert set(data["versions"]) >= {"jax", "jaxlib", "aotgrad"}
-    expected = ["fused", "jax_fwd_and_bwd", *(f"aotgrad:{p}" for p in PARTITIONERS), "aotgrad:min_cut@0.5"]
+    expected = ["fused", "jax_fwd_and_bwd", *(f"aotgrad:{p}" for p in PARTITIONERS), "aotgrad:min_cut@0.5",
+                "aotgrad:min_cut+donate_saved"]
     assert data["strategies"] == expected
     rows = {(r["workload"], r["strategy"]): r for r in data["rows"]}
     assert set(rows) == {("tiny_mlp", s) for s in expected}
@@ -101,7 +104,7 @@ def test_runner_cli_writes_expected_json(tmp_path: Path) -> None:
     overhead = {(o["mode"], o["strategy"]): o for o in data["overhead"]["rows"]}
     assert ("latency", "jax_fwd_and_bwd") in overhead
     assert all(o["per_call"]["median"] > 0 for o in overhead.values())
-    assert all(overhead[("latency", s)]["ratio_vs_jax"] > 0 for s in expected[2:] if "@" not in s)
+    assert all(overhead[("latency", s)]["ratio_vs_jax"] > 0 for s in expected[2:] if "@" not in s and "+" not in s)
 
 
 def test_new_partitioners_are_picked_up_and_failures_continue(tiny_suite: Path) -> None:
