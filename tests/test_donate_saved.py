@@ -126,7 +126,7 @@ def test_the_backward_releases_what_it_has_read_as_it_runs():
     """Under donate_saved the suite's GPT runs its backward as several programs; saved
     activations are released before the last one starts, and XLA's memory analysis of the
     programs (each one's peak plus what is held beside it) is below the one program's:
-    CPU, jax 0.10.2: 34.5 MB against 46.5 (the fused jitted step: 50.7 MB)."""
+    CPU, jax 0.10.2: 33.0 MB against 46.5 (the fused jitted step: 50.7 MB)."""
     from benchmarks.workloads import build
     w = build("gpt", "gpt", SEGMENTED["gpt"])
     with aotgrad.config.patch(donate_saved=True):
@@ -156,7 +156,7 @@ def test_the_backward_releases_what_it_has_read_as_it_runs():
     for seg, deleted in zip(found.segments, deleted_before, strict=True):
         assert deleted == read_last, (deleted, read_last)
         read_last |= {position[v] for v in seg.frees if v in position}
-    assert 0 < len(deleted_before[-1]) < len(activations)
+    assert len(deleted_before[-1]) > len(activations) // 2  # most released before the last program
     _close_to_jax(grads, w)
 
 
