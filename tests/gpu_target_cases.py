@@ -207,7 +207,8 @@ def test_explain_reports_the_programs_compiled_for_the_target(h100_args):
     it (XLA:GPU's Triton GEMM fusions in the text, which XLA:CPU never emits), not for the
     host. Run apart (no outer jit), the two programs peak no higher than JAX's own jitted
     step (`jax.value_and_grad`, the fused step the cases above compile) on the H100: budget 1
-    saves what crosses least, not what moves the fewest bytes on the device."""
+    saves what crosses least, not what moves the fewest bytes on the device; under
+    `donate_saved` the backward's programs are compiled for the H100 too, and peak lower."""
     w, args = h100_args
     f = aotgrad.compile(w.loss_fn)
     compiled = f.lower(*args).compile()
@@ -220,6 +221,11 @@ def test_explain_reports_the_programs_compiled_for_the_target(h100_args):
     # The backward holds the values it reads to its end. Priced by the H100's traffic, the
     # apart plan saved more and peaked at 1.05x the fused step here (GPT-2 small: 1.14x).
     assert m.peak <= fused, (m, fused)
+    # Owning the saved values (donate_saved), the backward runs as programs compiled for
+    # the H100 that release them as they are read, and peaks lower still.
+    with aotgrad.config.patch(donate_saved=True):
+        owned = aotgrad.explain(aotgrad.compile(w.loss_fn), *args).memory
+    assert owned.backward_programs > 1 and owned.backward_peak < m.backward_peak, (owned, m)
 
 
 def test_recomputation_moves_no_more_bytes_than_a_checkpoint_policy(cheapest_cut):
