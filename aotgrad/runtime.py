@@ -12,12 +12,11 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from aotgrad import anomaly, pipeline
+from aotgrad import anomaly, pipeline, segments
 from aotgrad.autocast.rewrite import CastCounts
 from aotgrad.config import Snapshot
 from aotgrad.hooks import InForce, with_hooks
 from aotgrad.partition import JointGraph, Split, without_cotangents
-from aotgrad import segments
 from aotgrad.signature import ArrayImpl
 from aotgrad.trace import ForwardTrace
 
