@@ -17,6 +17,7 @@ from aotgrad.partition.scan import segment_schedules, uncut_scans
 from aotgrad.provenance import BackwardCost, backward_costs
 from aotgrad.runtime import Pair, ProgramPair, Timings
 from aotgrad.signature import argnum_positions
+from aotgrad.xla_buffers import xla_peak
 
 __all__ = ["BackwardCost", "Memory", "Report", "SavedValue", "explain", "report_of"]
 
@@ -59,8 +60,7 @@ class Memory:
             m = program.memory_analysis()
             if m is None:
                 return None, None
-            return (int(m.temp_size_in_bytes),
-                    int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes))
+            return int(m.temp_size_in_bytes), xla_peak(m)
         (ft, fp), (bt, bp) = stats(compiled.forward), stats(compiled.backward)
         return cls(ft, bt, fp, bp)
 
@@ -210,12 +210,9 @@ def _segmented(pair: ProgramPair, inputs: Sequence[Any], memory: Memory) -> Memo
     """`memory` with the backward's peak as it runs under donate_saved: in segments where
     they peak lower (`segments.chosen`), on the inputs' device."""
     shardings = {getattr(x, "sharding", None) for x in inputs}
-    if (not pair.donate_saved or pair.detect_anomaly or pair.staged or memory.backward_peak is None
-            or len(shardings) != 1):
+    if memory.backward_peak is None or len(shardings) != 1 or not pair.runs_in_segments(*shardings):
         return memory
     sharding, = shardings
-    if sharding is not None and len(sharding.device_set) > 1:
-        return memory  # several devices: one program (it pins the gradients' shardings)
     found = segments.chosen(pair.split.backward, pair.n_activations, memory.backward_peak, sharding)
     if found is None:
         return memory

@@ -2,7 +2,6 @@
 backward programs, and the saved values a forward hands to its backward."""
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 import time
@@ -19,6 +18,7 @@ from aotgrad.hooks import InForce, with_hooks
 from aotgrad.partition import JointGraph, Split, without_cotangents
 from aotgrad.signature import ArrayImpl
 from aotgrad.trace import ForwardTrace
+from aotgrad.xla_buffers import aliasable, spec
 
 __all__ = ["Backward", "GuardedBackward", "Pair", "ProgramPair", "Saved", "Timings"]
 
@@ -36,10 +36,6 @@ class Timings:
     partition: float = 0.0
     lower: float = 0.0
     compile: float = 0.0
-
-
-def _sds(aval: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
 def _placed_elsewhere(x: Any) -> bool:
@@ -122,6 +118,14 @@ class ProgramPair:
         """Planned for a step traced under `jax.jit` (one program with its backward)."""
         return self.graph.staged
 
+    def runs_in_segments(self, sharding: Any = None) -> bool:
+        """Whether the backward may run as programs that release the saved values as they
+        are read (`segments.py`): under donate_saved, outside anomaly mode, run apart, on
+        one device (`sharding`'s; None: the default one). On several it is one program,
+        which pins the gradients' shardings."""
+        return (self.donate_saved and not self.detect_anomaly and not self.staged
+                and (sharding is None or len(sharding.device_set) == 1))
+
     def backward_without(self, present: tuple[bool, ...]) -> Any:
         """The backward program (`split.Program`) taking only the cotangents marked present: every
         equation that only the others (known zero) reach is left out."""
@@ -154,7 +158,7 @@ class ProgramPair:
         t0 = time.perf_counter()
         lowered_f = self.forward.lower(*inputs)
         if not any(_placed_elsewhere(a) for a in inputs):
-            lowered_b = self.backward.lower(*[_sds(a) for a in self.split.backward_program.in_avals])
+            lowered_b = self.backward.lower(*[spec(a) for a in self.split.backward_program.in_avals])
         else:  # as it runs: saved values and cotangents sharded as the forward leaves them
             lowered_b = self._lower_sharded_backward(lowered_f, inputs)
         return lowered_f, lowered_b, dataclasses.replace(self.timings, lower=time.perf_counter() - t0)
@@ -174,7 +178,7 @@ class ProgramPair:
     def dump(self, directory: str, tag: str) -> None:
         """Writes both programs' jaxprs and lowered text (config.debug_dir)."""
         os.makedirs(directory, exist_ok=True)
-        lf, lb, _ = self.lower([_sds(a) for a in self.in_avals])
+        lf, lb, _ = self.lower([spec(a) for a in self.in_avals])
         for name, text in (("forward.jaxpr", str(self.split.forward)),
                            ("backward.jaxpr", str(self.split.backward)),
                            ("forward.stablehlo.txt", lf.as_text()),
@@ -191,7 +195,7 @@ class Backward:
 
     def __init__(self, pair: ProgramPair) -> None:
         self.pair = pair
-        self.donated = _aliasable(pair.split.backward, pair.n_activations) if pair.donate_saved else ()
+        self.donated = aliasable(pair.split.backward.in_avals, pair.split.backward.out_avals, range(pair.n_activations)) if pair.donate_saved else ()
         self.programs: dict[Any, Any] = {}  # (gradient shardings, present cotangents, hooks) -> program
         self.plain = self.program(None)
 
@@ -249,8 +253,8 @@ class GuardedBackward(Backward):
             # Anomaly reports index the full backward's equations: it gets the zeros.
             cts, present = _with_zeros(cts, present, pair.split.backward_program.in_avals[-len(present):]), None
         program = self.program(saved.grad_shardings, present, saved.hooks)
-        if (not pair.detect_anomaly and saved.hooks is None and saved.grad_shardings is None
-                and len(owned) == pair.n_activations):  # concrete values on one device
+        if saved.hooks is None and saved.grad_shardings is None and len(owned) == pair.n_activations:
+            # concrete values on one device
             program = self.segmented(present) or program
         results = program(*saved.arrays, *cts)
         if pair.donate_saved:
@@ -263,7 +267,7 @@ class GuardedBackward(Backward):
         """Under donate_saved, the backward (taking the cotangents marked `present`) as
         programs that release the saved values as they are read, where that peaks lower
         on the default device (`segments.chosen`); None: one program."""
-        if not self.pair.donate_saved or self.pair.detect_anomaly:
+        if not self.pair.runs_in_segments():
             return None
         if present not in self.segmented_programs:  # decided when first run (two compiles)
             pair = self.pair
@@ -305,19 +309,6 @@ class Saved:
     def __repr__(self) -> str:
         shapes = ", ".join(f"{np.dtype(a.dtype).name}{list(a.shape)}" for a in self.arrays)
         return f"Saved({self.pair.owner}: {shapes})"
-
-
-def _aliasable(backward: Any, n: int) -> tuple[int, ...]:
-    """Positions among the first `n` backward inputs (the activations) that XLA can alias to
-    a gradient of the same type; donating the others would only warn."""
-    free = collections.Counter((a.shape, a.dtype, a.weak_type) for a in backward.out_avals)
-    picks = []
-    for i, a in enumerate(backward.in_avals[:n]):
-        key = (a.shape, a.dtype, a.weak_type)
-        if free[key]:
-            free[key] -= 1
-            picks.append(i)
-    return tuple(picks)
 
 
 def _with_zeros(cts: Sequence[Any], present: Sequence[bool], avals: Sequence[Any]) -> list[Any]:

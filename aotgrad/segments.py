@@ -10,7 +10,6 @@ the fewest bytes pass from one program to the next.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -21,8 +20,9 @@ from jax.extend.core import ClosedJaxpr, Var
 from aotgrad.interpret import eval_jaxpr, read
 from aotgrad.partition.costs import nbytes
 from aotgrad.signature import ArrayImpl
+from aotgrad.xla_buffers import aliasable, spec, xla_peak
 
-__all__ = ["PARTS", "Segment", "Segmented", "chosen", "segmented", "xla_peak"]
+__all__ = ["PARTS", "Segment", "Segmented", "chosen", "segmented"]
 
 PARTS = (8, 32)  # the backward is cut about every 8th or 32nd of the saved bytes it reads last
 
@@ -68,7 +68,7 @@ class Segmented:
         worst = 0
         for seg in self.segments:
             reads = set(seg.reads)
-            own = xla_peak(seg.program.lower(*_specs(seg.reads, sharding)).compile())
+            own = _peak(seg.program, seg.reads, sharding)
             worst = max(worst, own + sum(b for v, b in held.items() if v not in reads))
             for v in seg.frees:
                 held.pop(v, None)
@@ -89,20 +89,14 @@ def chosen(closed: ClosedJaxpr, n_owned: int, one_program: Any, sharding: Any = 
     if not found:
         return None
     if not isinstance(one_program, int):
-        one_program = xla_peak(one_program.lower(*_specs(closed.jaxpr.invars, sharding)).compile())
+        one_program = _peak(one_program, closed.jaxpr.invars, sharding)
     best = min(found, key=lambda s: (s.peak(sharding), len(s.segments)))
     return best if best.peak(sharding) < one_program else None
 
 
-def xla_peak(compiled: Any) -> int:
-    """Arguments, results and scratch of a compiled program, less what it aliases."""
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
-
-
-def _specs(values: Sequence[Var], sharding: Any) -> list[jax.ShapeDtypeStruct]:
-    return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding,
-                                 weak_type=getattr(v.aval, "weak_type", False)) for v in values]
+def _peak(program: Any, values: Sequence[Var], sharding: Any) -> int:
+    """XLA's peak of `program` (jitted) compiled for `values` on `sharding`."""
+    return xla_peak(program.lower(*[spec(v.aval, sharding) for v in values]).compile().memory_analysis())
 
 
 def segmented(closed: ClosedJaxpr, n_owned: int, parts: int = PARTS[0]) -> Segmented | None:
@@ -179,12 +173,7 @@ def _program(closed: ClosedJaxpr, eqns: Sequence[Any], reads: Sequence[Var], wri
     def segment(*args: Any) -> list[Any]:
         return eval_jaxpr(closed.jaxpr, closed.consts, args, invars=reads, eqns=eqns, outvars=writes)
     segment.__name__ = segment.__qualname__ = "backward"
-    free = collections.Counter((v.aval.shape, v.aval.dtype) for v in writes)
-    donate = []
     released = set(frees)
-    for k, v in enumerate(reads):
-        key = (v.aval.shape, v.aval.dtype)
-        if v in released and free[key]:
-            free[key] -= 1
-            donate.append(k)
-    return jax.jit(segment, donate_argnums=tuple(donate))
+    donate = aliasable([v.aval for v in reads], [v.aval for v in writes],
+                       (k for k, v in enumerate(reads) if v in released))
+    return jax.jit(segment, donate_argnums=donate)

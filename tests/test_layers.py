@@ -14,7 +14,7 @@ MAX_LINES = 400
 # Bottom to top, as in docs/design.md. Modules in one layer may import each other (without
 # a cycle), except the two passes, which do not import each other.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("_jax_internals", "collector", "errors", "jit_key", "devices", "loss_scale", "targets"),
+    "base": ("_jax_internals", "collector", "errors", "jit_key", "devices", "loss_scale", "targets", "xla_buffers"),
     "core IR": ("interpret", "signature", "partition.rules", "partition.costs", "partition.graph",
                 "partition.zeros", "partition.shards", "partition.schedule", "provenance", "trace"),
     "passes": ("partition", "partition.split", "partition.boundaries", "partition.fusion", "partition.order", "partition.peak_arrays", "partition.peak", "partition.traffic", "partition.budget", "partition.scan_levels",

@@ -19,15 +19,9 @@ from typing import Any, Callable
 
 from aotgrad._jax_internals import hlo_cost
 from aotgrad.devices import DeviceProfile
+from aotgrad.xla_buffers import xla_peak
 
 __all__ = ["Measured", "async_slice_excess", "estimate_step_s", "measure", "xla_peak"]
-
-
-def xla_peak(m: Any) -> int:
-    """A program's peak bytes from its `memory_analysis()`: arguments + outputs - outputs
-    aliased to (donated) arguments + scratch."""
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-               + m.temp_size_in_bytes)
 
 
 _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
