@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import aotgrad
+from aotgrad import segments
 
 RELEASED = "saved values were released after the first backward.*donate_saved=False"
 
@@ -107,7 +108,6 @@ SEGMENTED = {
 def test_a_segmented_backward_computes_jaxs_gradients(kind):
     """The backward cut into programs (`segments.segmented`, forced here whatever it would
     peak) gives `jax.grad`'s gradients and releases every saved activation."""
-    from aotgrad import segments
     from benchmarks.workloads import build
     w = build(kind, kind, SEGMENTED[kind])
     with aotgrad.config.patch(donate_saved=True):
@@ -164,3 +164,25 @@ def _close_to_jax(grads, w):
     want = jax.grad(w.loss_fn)(w.params, w.batch)
     for g, v in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, v, rtol=2e-4, atol=1e-5 * float(jnp.abs(v).max()))
+
+
+def test_explain_counts_what_the_donating_backward_aliases(monkeypatch):
+    """Under donate_saved the one backward program writes gradients into donated saved
+    values: its peak is XLA's arguments + results + scratch less the aliased bytes (as
+    counted here from the compiled program's own memory analysis), not their sum."""
+    monkeypatch.setattr(segments, "chosen", lambda *a, **k: None)  # one program
+    ws = [jnp.full((128, 128), 0.01) for _ in range(4)]
+    x = jnp.ones((128, 128))
+
+    def f(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x ** 2)
+
+    with aotgrad.config.patch(donate_saved=True):
+        report = aotgrad.explain(aotgrad.compile(f), ws, x)
+        m = aotgrad.compile(f).lower(ws, x).compile().memory_analysis()["backward"]
+    assert m.alias_size_in_bytes > 0
+    assert report.memory.backward_programs == 1
+    assert report.memory.backward_peak == (m.argument_size_in_bytes + m.output_size_in_bytes
+                                           + m.temp_size_in_bytes - m.alias_size_in_bytes)
