@@ -23,11 +23,13 @@ Progress goes to stderr, the table to stdout, everything to the JSON file (--out
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -195,7 +197,10 @@ def main(argv: Sequence[str]) -> None:
     from benchmarks.strategies import applicable
     from benchmarks.targets import select_target_strategies
     from benchmarks.workloads import build
-    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or tempfile.mkdtemp(prefix="aotgrad_xla_cache_")
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if not cache:  # one for this run's processes, removed when it ends
+        cache = tempfile.mkdtemp(prefix="aotgrad_xla_cache_")
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
     # Preallocation off: the processes share the device.
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     os.environ.update(env)

@@ -202,7 +202,8 @@ def test_plot_without_matplotlib_is_reported_before_the_run(tiny_suite: Path, tm
 def test_on_device_run_reports_each_strategy_and_continues_past_failures(tmp_path: Path) -> None:
     """`benchmarks.on_device` (the real step on this machine's accelerator), here on the host:
     each strategy in its own process, then interleaved timing; a strategy that cannot be
-    built (a byte budget below every plan) is a row that says why, and the others still run."""
+    built (a byte budget below every plan) is a row that says why, and the others still run.
+    The compilation cache it makes for its processes does not outlive it."""
     suite = tmp_path / "cli.toml"
     suite.write_text(CLI_SUITE)
     out = tmp_path / "on_device.json"
@@ -210,8 +211,9 @@ def test_on_device_run_reports_each_strategy_and_continues_past_failures(tmp_pat
                            "--workloads=tiny_mlp", "--strategies=fused,aotgrad:min_cut@0,aotgrad:min_cut@1KB",
                            "--steps=1", "--rounds=2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list(tmp_path.glob("aotgrad_xla_cache_*"))  # its compilation cache is removed with the run
     data = json.loads(out.read_text())
     assert data["info"]["profile"] == "cpu" and data["info"]["jax"]
     rows = {r["strategy"]: r for r in data["rows"]}
