@@ -26,7 +26,7 @@ from typing import Callable
 from jax.extend.core import JaxprEqn, Var
 
 from aotgrad.partition import costs, peak_arrays
-from aotgrad.partition.fusion import FUSED, Program, Programs, Row, Value, reads, rows
+from aotgrad.partition.fusion import FUSED, Program, Programs, Reads, Row, Value, reads, rows
 from aotgrad.partition.rules import IN_PLACE, Kind
 
 __all__ = ["estimate"]
@@ -40,16 +40,18 @@ def estimate(step: Programs) -> int:
 
 def _run_peak(step: Programs, run: Program) -> int:
     """One program's estimated peak: on arrays where `peak_arrays` covers it."""
-    if step.graph is not None and peak_arrays.supports(step.graph, run):
+    device = None if step.graph is None else step.graph.device
+    whole_kernels = device is not None and device.platform == "gpu"  # measured on XLA:GPU only
+    if step.graph is not None and not whole_kernels and peak_arrays.supports(step.graph, run):
         return peak_arrays.program_peak(step.graph, run)
     return _program_peak(run.eqns, run.args, run.outs, step.size, step.recomputed_in_readers, run.early,
-                         run.table(step.recomputed_in_readers))
+                         run.table(step.recomputed_in_readers), whole_kernels)
 
 
 def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
                   size: Callable[[Var], int] = lambda v: costs.nbytes(v.aval),
                   recomputed_in_readers: Callable[[JaxprEqn], bool] = lambda e: False,
-                  early: range = range(0), table: list[Row] | None = None) -> int:
+                  early: range = range(0), table: list[Row] | None = None, whole_kernels: bool = False) -> int:
     """Arguments + outputs + the most temporaries live at once, running `eqns` in order.
     A value is held from its equation to its last reader if XLA writes it (`fusion.reads`); a
     value computed again in each fusing reader (`recomputed_in_readers`,
@@ -61,7 +63,8 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
     bound twice (a forward value the backward recomputes, in one program) is two buffers.
     `size`: a value's bytes (on one device: `shards.per_device_bytes`); `early`: the
     backward's recomputation moved to its start (`fusion.Program.early`); `table`: the
-    equations' `fusion.Row`s, if known."""
+    equations' `fusion.Row`s, if known; `whole_kernels`: a value read inside a fused chain
+    lives until the chain's kernel ends (`_held_by_kernels`)."""
     arg_set = set(args)
     out_set = {v for v in outs if isinstance(v, Var)}
     fixed = sum(size(v) for v in arg_set) + sum(size(v) for v in out_set - arg_set)
@@ -69,6 +72,8 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
         table = rows(eqns, recomputed_in_readers)
     kinds = [row[2] for row in table]
     r = reads(eqns, kinds, recomputed_in_readers, early, table)
+    if whole_kernels:
+        _held_by_kernels(eqns, kinds, r)
     operands, last, written = r.operands, r.last, r.written
     held: dict[Value, int] = {}  # temporaries in memory: their bytes
     frees: dict[int, list[Value]] = {}
@@ -99,6 +104,40 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
         for u in frees.pop(i, ()):
             live -= held.pop(u)
     return fixed + peak
+
+
+def _held_by_kernels(eqns: list[JaxprEqn], kinds: list[Kind], r: Reads) -> None:
+    """A chain of fused equations runs as one kernel, at the equation that writes its
+    result (or the reduction or other reader it fuses into): every value in memory read
+    inside the chain lives until then, beside that result. (A softmax's backward reads the
+    scores and the probability gradient until it writes the score gradient: freed at their
+    last reader inside the chain, three (B, H, T, T) buffers were counted as two.) A value
+    read there for the last time gives its buffer to the result (`_reusable`), unless a
+    reduction over its last axis reads it: XLA:GPU runs that in one kernel with the
+    elementwise work after it, which then reads the value by rows, not element by element
+    (a batch norm's statistics, over the other axes, are a kernel of their own)."""
+    def fused(u: Value) -> bool:  # computed inside its reader, not written
+        return u[1] >= 0 and kinds[u[1]] in FUSED and u in r.last and u not in r.written
+
+    runs_at = list(range(len(kinds)))  # each equation: where its kernel runs
+    made: dict[int, list[Value]] = {}
+    for u in r.last:
+        if u[1] >= 0:
+            made.setdefault(u[1], []).append(u)
+    for j in range(len(kinds) - 1, -1, -1):
+        outs = made.get(j, ())
+        if outs and kinds[j] in FUSED and all(fused(u) for u in outs):
+            runs_at[j] = max(runs_at[r.last[u]] for u in outs)
+    for w, readers in r.readers.items():
+        if fused(w):
+            continue
+        ends = [runs_at[i] for i in readers]
+        end = max(ends)
+        if end <= r.last.get(w, -1):
+            continue
+        r.last[w] = end
+        if not any(kinds[i] is Kind.REDUCE and costs.over_last_axis(eqns[i]) for i in ends):
+            r.operands[end].append(w)
 
 
 def _reusable(eqn: JaxprEqn, kind: Kind, dying: list[Value]) -> list[Value]:
