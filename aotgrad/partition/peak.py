@@ -10,7 +10,10 @@ it; on XLA:GPU not cheap elementwise work either, computed again in each reader,
 operand is kept instead: `rules.duplicated`), from its equation to its last reader, and
 not beside an operand whose buffer it takes: an elementwise result writes over a
 same-sized operand read for the last time, a scatter or an update in place over its first
-operand. A `split`'s operand lives as long as its parts (and their reshapes), whose
+operand. On XLA:GPU a chain of fused equations is one kernel, which holds every value
+in memory it reads until it writes its result (`_held_by_kernels`: a softmax's backward
+holds the scores and the probability gradient beside the score gradient). A `split`'s
+operand lives as long as its parts (and their reshapes), whose
 readers read it (8 H100s, GPT-2 medium with sharded parameters: a cut that saved each
 layer's q, k and v held the qkv projection beside them: 13952.82 MB of activations, where
 the estimate without it was 11274.8 MB for the whole step).
