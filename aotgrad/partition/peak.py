@@ -10,9 +10,10 @@ it; on XLA:GPU not cheap elementwise work either, computed again in each reader,
 operand is kept instead: `rules.duplicated`), from its equation to its last reader, and
 not beside an operand whose buffer it takes: an elementwise result writes over a
 same-sized operand read for the last time, a scatter or an update in place over its first
-operand. On XLA:GPU a chain of fused equations is one kernel, which holds every value
-in memory it reads until it writes its result (`_held_by_kernels`: a softmax's backward
-holds the scores and the probability gradient beside the score gradient). A `split`'s
+operand. On XLA:GPU a reduction over the last axis is one kernel with the elementwise work
+around it, which holds the reduction's input until it writes (`_held_by_kernels`: a
+softmax's backward holds the scores and the probability gradient beside the score
+gradient). A `split`'s
 operand lives as long as its parts (and their reshapes), whose
 readers read it (8 H100s, GPT-2 medium with sharded parameters: a cut that saved each
 layer's q, k and v held the qkv projection beside them: 13952.82 MB of activations, where
@@ -110,19 +111,18 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
 
 
 def _held_by_kernels(eqns: list[JaxprEqn], kinds: list[Kind], r: Reads) -> None:
-    """A chain of fused equations runs as one kernel, at the equation that writes its
-    result (or the reduction or other reader it fuses into): every value in memory read
-    inside the chain lives until then, beside that result. (A softmax's backward reads the
+    """XLA:GPU runs a reduction over the last axis in one kernel with the elementwise work
+    that reads its input and its result (a softmax, a layer norm, their backwards): a value
+    in memory that such a reduction reads lives until that kernel writes, at the end of the
+    chain of fused equations that read the value there. (A softmax's backward reads the
     scores and the probability gradient until it writes the score gradient: freed at their
-    last reader inside the chain, three (B, H, T, T) buffers were counted as two.) A value
-    read there for the last time gives its buffer to the result (`_reusable`), unless a
-    reduction over its last axis reads it: XLA:GPU runs that in one kernel with the
-    elementwise work after it, which then reads the value by rows, not element by element
-    (a batch norm's statistics, over the other axes, are a kernel of their own)."""
+    last reader inside the chain, three (B, H, T, T) buffers were counted as two.) Only
+    there: elsewhere freeing at the last fused reader ranked a ViT's and a transformer
+    block's cuts as XLA:GPU peaks them."""
     def fused(u: Value) -> bool:  # computed inside its reader, not written
         return u[1] >= 0 and kinds[u[1]] in FUSED and u in r.last and u not in r.written
 
-    runs_at = list(range(len(kinds)))  # each equation: where its kernel runs
+    runs_at = list(range(len(kinds)))  # each equation: where the kernel it fuses into runs
     made: dict[int, list[Value]] = {}
     for u in r.last:
         if u[1] >= 0:
@@ -135,12 +135,8 @@ def _held_by_kernels(eqns: list[JaxprEqn], kinds: list[Kind], r: Reads) -> None:
         if fused(w):
             continue
         ends = [runs_at[i] for i in readers]
-        end = max(ends)
-        if end <= r.last.get(w, -1):
-            continue
-        r.last[w] = end
-        if not any(kinds[i] is Kind.REDUCE and costs.over_last_axis(eqns[i]) for i in ends):
-            r.operands[end].append(w)
+        if any(kinds[i] is Kind.REDUCE and costs.over_last_axis(eqns[i]) for i in ends):
+            r.last[w] = max(max(ends), r.last.get(w, -1))
 
 
 def _reusable(eqn: JaxprEqn, kind: Kind, dying: list[Value]) -> list[Value]:
