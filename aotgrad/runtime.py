@@ -195,7 +195,10 @@ class Backward:
 
     def __init__(self, pair: ProgramPair) -> None:
         self.pair = pair
-        self.donated = aliasable(pair.split.backward.in_avals, pair.split.backward.out_avals, range(pair.n_activations)) if pair.donate_saved else ()
+        self.donated = ()  # the saved activations XLA may write gradients into (donate_saved)
+        if pair.donate_saved:
+            backward = pair.split.backward  # (its jaxpr is traced only here)
+            self.donated = aliasable(backward.in_avals, backward.out_avals, range(pair.n_activations))
         self.programs: dict[Any, Any] = {}  # (gradient shardings, present cotangents, hooks) -> program
         self.plain = self.program(None)
 

@@ -13,8 +13,7 @@ same-sized operand read for the last time, a scatter or an update in place over 
 operand. On XLA:GPU a reduction over the last axis is one kernel with the elementwise work
 around it, which holds the reduction's input until it writes (`_held_by_kernels`: a
 softmax's backward holds the scores and the probability gradient beside the score
-gradient). A `split`'s
-operand lives as long as its parts (and their reshapes), whose
+gradient). A `split`'s operand lives as long as its parts (and their reshapes), whose
 readers read it (8 H100s, GPT-2 medium with sharded parameters: a cut that saved each
 layer's q, k and v held the qkv projection beside them: 13952.82 MB of activations, where
 the estimate without it was 11274.8 MB for the whole step).
@@ -43,7 +42,8 @@ def estimate(step: Programs) -> int:
 
 
 def _run_peak(step: Programs, run: Program) -> int:
-    """One program's estimated peak: on arrays where `peak_arrays` covers it."""
+    """One program's estimated peak: on arrays where `peak_arrays` covers it (not on a GPU:
+    `_held_by_kernels`)."""
     device = None if step.graph is None else step.graph.device
     whole_kernels = device is not None and device.platform == "gpu"  # measured on XLA:GPU only
     if step.graph is not None and not whole_kernels and peak_arrays.supports(step.graph, run):
@@ -67,8 +67,8 @@ def _program_peak(eqns: list[JaxprEqn], args: list[Var], outs: list,
     bound twice (a forward value the backward recomputes, in one program) is two buffers.
     `size`: a value's bytes (on one device: `shards.per_device_bytes`); `early`: the
     backward's recomputation moved to its start (`fusion.Program.early`); `table`: the
-    equations' `fusion.Row`s, if known; `whole_kernels`: a value read inside a fused chain
-    lives until the chain's kernel ends (`_held_by_kernels`)."""
+    equations' `fusion.Row`s, if known; `whole_kernels`: a value a reduction over its last
+    axis reads lives until that reduction's kernel ends (`_held_by_kernels`)."""
     arg_set = set(args)
     out_set = {v for v in outs if isinstance(v, Var)}
     fixed = sum(size(v) for v in arg_set) + sum(size(v) for v in out_set - arg_set)

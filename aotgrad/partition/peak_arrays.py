@@ -10,8 +10,8 @@ operand read for the last time (`peak._reusable`), the operand's bytes stay held
 that step and the result's are counted from the next. Not here: XLA:GPU's recomputation
 in each reader (`rules.duplicated`) and recomputation moved to the backward's start
 (`Program.early`), which `peak._program_peak` follows (`supports` says which), nor XLA:GPU's
-fused kernels holding what they read (`peak._held_by_kernels`: a GPU's programs are
-estimated there).
+kernels holding a last-axis reduction's input to their end (`peak._held_by_kernels`: a
+GPU's programs are estimated there).
 """
 from __future__ import annotations
 
