@@ -3,6 +3,7 @@ compiler plugin needed). Where the CUDA compiler plugin is installed, `tests/gpu
 checks `plan` against a compile-only H100 too (run by `test_gpu_target.py`)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import pathlib
@@ -481,3 +482,22 @@ def test_plan_on_four_cpu_devices_data_parallel_and_fsdp():
     proc = subprocess.run([sys.executable, "-c", FOUR_CPU_CASE], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("above,tries_next", [(303, True), (400, False)])
+def test_landing_looks_past_a_step_that_misses_by_a_hair(above, tries_next):
+    """Compiled peaks that level off: the step above the highest that fits misses the limit
+    (301) by 0.7% and the next one fits. Bisection alone stops at the miss; `land` tries the
+    next while a miss is within `PLATEAU`, and not past a clear miss (400)."""
+    from aotgrad.planning.land import land
+
+    @dataclasses.dataclass(frozen=True)
+    class Step:
+        peak_bytes: int
+
+    estimates = [100, 200, 300, 400, 500]
+    compiled = dict(zip(estimates, [100, 200, 290, above, 299]))
+    tried = land(301, estimates, lambda text: Step(compiled[int(text.rstrip("B"))])).tried
+    peaks = [step.peak_bytes for _, step in tried]
+    assert peaks[:2] == [290, above]
+    assert (299 in peaks) is tries_next

@@ -145,6 +145,10 @@ SAME_PEAK = 0.02
 # small, one H100: a cut estimated 0.3% cheaper than its neighbour moved 1.1% more bytes.)
 SAME_TRAFFIC = 0.005
 GREEDY_STEPS = 24  # at most this many greedy cuts (more values are forbidden per step on big graphs)
+# Neighbouring kept cuts whose estimated peaks differ by more than this share of the ladder's
+# span are blended (`_blends`), at most BLEND_SPLITS times per gap.
+BLEND_GAP = 0.04
+BLEND_SPLITS = 3
 COARSER_POINTS = (2,)  # layer points kept free besides every one: every second
 
 
@@ -293,27 +297,76 @@ def candidates(problem: Problem, stacked: bool = False) -> list[Choice]:
     cheapest first, each with its estimated step peak (saved bytes for a scan body:
     `stacked`) and cost."""
     relaxed = problem.recompute_costs(allow_costly=True)
-    by_traffic = problem.graph.device is not None and problem.graph.device.ranks_by_traffic
-    seen: dict[frozenset, Choice] = {}
-    for cut in ladder(problem, relaxed) + _with_boundaries(problem, relaxed, stacked):
+    return _estimated(ladder(problem, relaxed) + _with_boundaries(problem, relaxed, stacked), relaxed, stacked)
+
+
+def _estimated(cuts: list[Cut], relaxed: np.ndarray, stacked: bool, seen: dict | None = None) -> list[Choice]:
+    """The distinct cuts among `cuts` not in `seen` (saved sets, updated), as `Choice`s."""
+    seen = {} if seen is None else seen
+    out = []
+    for cut in cuts:
         key = frozenset(cut.saved)
         if key in seen:
             continue
+        problem = cut.problem
+        by_traffic = problem.graph.device is not None and problem.graph.device.ranks_by_traffic
         step = None if stacked else step_programs(cut)
         peak = cut.activation_bytes if stacked else estimate(step)
-        seen[key] = Choice(cut, peak, _runtime_cost(cut, relaxed), step if by_traffic else None)
-    return list(seen.values())
+        seen[key] = choice = Choice(cut, peak, _runtime_cost(cut, relaxed), step if by_traffic else None)
+        out.append(choice)
+    return out
 
 
 def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
     """The candidates a budget chooses from (of `candidates`), by estimated peak from lowest
     to highest (the cheapest cut last): each cheaper to run and saving no fewer bytes than
     the one before, so that the step's peak, the saved bytes and the speed all rise with
-    the budget. The cheapest cut is always kept. `stacked`: the graph is a scan body. Its
+    the budget. The cheapest cut is always kept. Where two neighbours' peaks lie far apart,
+    blends of the two fill the gap (`_blends`). `stacked`: the graph is a scan body. Its
     saved values are stacked over the iterations and outweigh one iteration's working set,
     so there the saved bytes stand for the peak, and the scan's own schedule
     (`scan_levels.scan_schedule`) is built on them too."""
-    return kept_of(candidates(problem, stacked))
+    found = candidates(problem, stacked)
+    kept = kept_of(found)
+    if stacked:
+        return kept
+    relaxed = problem.recompute_costs(allow_costly=True)
+    seen = {frozenset(c.cut.saved): c for c in found}
+    more = []
+    for a, b, cuts in _blends(problem, relaxed, kept):  # inside the gap, not about as high as either end
+        inside = (a.peak * (1 + SAME_PEAK), b.peak * (1 - SAME_PEAK))
+        more += [c for c in _estimated(cuts, relaxed, stacked, seen) if inside[0] < c.peak < inside[1]]
+    return kept_of(found + more) if more else kept
+
+
+def _blends(problem: Problem, relaxed: np.ndarray, kept: list[Choice]) -> list[tuple[Choice, Choice, list[Cut]]]:
+    """Cuts between two neighbouring kept cuts A and B (B the higher peak) whose estimated
+    peaks differ by more than `BLEND_GAP` of the ladder's span: before a layer point the
+    values B saves free to save, from it on those A saves, the rest at the highest price.
+    The backward's peak falls as the point moves up the model, so spaced points (at most
+    `BLEND_SPLITS` per gap) give the budgets between A and B plans of their own. Per gap:
+    A, B and its cuts. Only those estimated inside (A, B), and not about as high as
+    either (`SAME_PEAK`), are weighed: the ladder's own cuts stay (an 8-layer MLP's blend
+    estimated 1.6% above budget 0's cut and cheaper took its place, and compiled 1.09x
+    higher on an H100)."""
+    free = boundaries(problem)
+    starts = [int(g[0]) for g in layer_points(problem, free)][1:] if len(free) else []
+    if not starts or len(kept) < 2:
+        return []
+    span = kept[-1].peak - kept[0].peak
+    position = problem.position
+    gaps = []
+    for a, b in zip(kept, kept[1:]):
+        splits = min(int((b.peak - a.peak) / (BLEND_GAP * span)), BLEND_SPLITS, len(starts))
+        if splits < 1:
+            continue
+        pa, pb = (np.asarray(sorted(position[v] for v in c.cut.saved if v in position), np.int64) for c in (a, b))
+        cuts = []
+        for k in range(1, splits + 1):
+            s = starts[round(k * (len(starts) - 1) / (splits + 1))]
+            cuts += _priced(problem, relaxed, np.concatenate([pb[pb < s], pa[pa >= s]]), PRICES[-1:])
+        gaps.append((a, b, cuts))
+    return gaps
 
 
 def kept_of(found: list[Choice]) -> list[Choice]:
