@@ -24,7 +24,7 @@ from aotgrad.autocast.context import (AutocastArgs, check_table_dtype, parse_dev
                                       parse_promotion)
 from aotgrad.errors import ConfigError
 from aotgrad.partition import PARTITIONERS  # the registry decides what is valid
-from aotgrad.partition.budget import Bytes, parse_bytes
+from aotgrad.partition.budget_value import Bytes, parse_bytes
 
 __all__ = ["BackwardAutocast", "Config", "ConfigError", "Snapshot", "budget_from_text", "config"]
 

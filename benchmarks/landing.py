@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 import aotgrad
-from aotgrad.partition.budget import parse_bytes
+from aotgrad.partition.budget_value import parse_bytes
 from benchmarks.workloads import build
 
 GPT2_SMALL = {"batch": 8, "seq": 1024, "d_model": 768, "heads": 12, "layers": 12, "vocab": 50304}

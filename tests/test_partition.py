@@ -17,7 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import aotgrad
 from aotgrad.partition import PARTITIONERS, partition
-from aotgrad.partition.budget import FUSED_REASON
+from aotgrad.partition.budget_value import FUSED_REASON
 from aotgrad.partition.split import split
 from aotgrad.trace import trace_joint
 from cuts import cheapest, joint_graph

@@ -362,7 +362,7 @@ def test_the_landing_tables_in_the_docs_are_the_results_files():
 
 
 def test_a_setting_is_the_shortest_size_in_its_range():
-    from aotgrad.partition.budget import parse_bytes
+    from aotgrad.partition.budget_value import parse_bytes
     from aotgrad.planning.land import setting
     assert setting(7_712_345_678, 8.1e9) == "8GB"
     assert setting(7_712_345_678, 7.75e9) == "7.72GB"

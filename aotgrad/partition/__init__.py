@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 from jax.extend.core import Var
 
 from aotgrad.partition import shards
-from aotgrad.partition.budget import Budget
+from aotgrad.partition.budget_value import Budget
 from aotgrad.partition.vjp import save_what_backward_reads
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import min_cut

@@ -22,7 +22,7 @@ from jax.extend.core import JaxprEqn, Var
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from aotgrad.partition import costs
-from aotgrad.partition.budget import FUSED_REASON, Budget, is_fused_plan
+from aotgrad.partition.budget_value import FUSED_REASON, Budget, is_fused_plan
 from aotgrad.partition.fusion import deps
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.rules import FLOAT_EQUALITY, Kind, kind_of

@@ -30,7 +30,7 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Primitive, Var
 from aotgrad._jax_internals import bind_eqn, name_scopes, scan_params
 from aotgrad.interpret import Rule, eval_jaxpr, sub_jaxprs
 from aotgrad.partition import costs, shards
-from aotgrad.partition.budget import Budget
+from aotgrad.partition.budget_value import Budget
 from aotgrad.partition.scan_levels import ScanSchedule, scan_schedule
 
 __all__ = ["BodyCut", "BodyTrace", "is_cut_scan", "partition_scans", "segment_schedules", "uncut_scans"]

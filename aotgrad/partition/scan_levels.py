@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from aotgrad.partition.budget import Budget, Bytes
+from aotgrad.partition.budget_value import Budget, Bytes
 
 __all__ = ["ScanSchedule", "scan_schedule"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from jax.extend.core import Var
 
 from aotgrad.errors import ConfigError
-from aotgrad.partition.budget import Budget
+from aotgrad.partition.budget_value import Budget
 from aotgrad.partition.graph import JointGraph
 
 __all__ = ["save_what_backward_reads"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from aotgrad.partition.budget import parse_bytes
+from aotgrad.partition.budget_value import parse_bytes
 from aotgrad.planning.land import land
 
 __all__ = ["DoesNotFit", "Plan", "Row"]
