@@ -1,7 +1,7 @@
 """How the step-peak estimate ranks the cuts a budget weighs, against the compiler: every
-candidate of `budget.candidates` on one workload, lowest estimate first, with its
-estimated per-device peak, and the lowest `--compile` of them compiled for the target
-(XLA's `memory_analysis()` peak, per device, inputs included).
+candidate a budget weighs (`budget.weighed`, the blends too) on one workload, lowest
+estimate first, with its estimated per-device peak, and the lowest `--compile` of them
+compiled for the target (XLA's `memory_analysis()` peak, per device, inputs included).
 
     JAX_PLATFORMS=cpu python -m benchmarks.estimates --target h100 --suite config/stacks.toml \\
         --workload stack_plain --sizes layers=4 --compile 6
@@ -23,7 +23,7 @@ from typing import Any, Callable
 import jax
 
 import aotgrad
-from aotgrad.partition.budget import Choice, candidates, kept_of
+from aotgrad.partition.budget import Choice, weighed
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import Problem
 from aotgrad.targets import resolve as resolve_target
@@ -49,8 +49,7 @@ class _Candidates:
     def __call__(self, graph: JointGraph, budget: Any) -> dict:
         if not self.where:
             self.where = _positions(graph)
-            self.all = candidates(Problem.priced(graph))
-            self.kept = kept_of(self.all)
+            self.all, self.kept = weighed(Problem.priced(graph))
         cut = (self.pick or self.all[0]).cut
         return {_value_at(graph, self.where[v]): "picked" for v in cut.saved}
 

@@ -95,7 +95,7 @@ if TYPE_CHECKING:  # min_cut imports this module where it meets a budget
     from aotgrad.partition.min_cut import Cut, Problem
 
 __all__ = ["GREEDY_STEPS", "PRICES", "Choice", "candidates", "choices", "kept_of", "ladder", "matmul_outputs",
-           "policy_points", "step_programs", "within_budget"]
+           "policy_points", "step_programs", "weighed", "within_budget"]
 
 
 # Extra cost per saved byte, in the cost model's units (a byte moved costs 1 or 2).
@@ -288,17 +288,23 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
     saved values are stacked over the iterations and outweigh one iteration's working set,
     so there the saved bytes stand for the peak, and the scan's own schedule
     (`scan_levels.scan_schedule`) is built on them too."""
+    return weighed(problem, stacked)[1]
+
+
+def weighed(problem: Problem, stacked: bool = False) -> tuple[list[Choice], list[Choice]]:
+    """Every candidate a budget weighs (`candidates`, then the blends) and the ladder kept
+    of them (`choices`)."""
     found = candidates(problem, stacked)
     kept = kept_of(found)
     if stacked:
-        return kept
+        return found, kept
     relaxed = problem.recompute_costs(allow_costly=True)
     seen = {frozenset(c.cut.saved): c for c in found}
     more = []
     for a, b, cuts in _blends(problem, relaxed, kept):  # inside the gap, not about as high as either end
         inside = (a.peak * (1 + SAME_PEAK), b.peak * (1 - SAME_PEAK))
         more += [c for c in _estimated(cuts, relaxed, stacked, seen) if inside[0] < c.peak < inside[1]]
-    return kept_of(found + more) if more else kept
+    return (found + more, kept_of(found + more)) if more else (found, kept)
 
 
 def _blends(problem: Problem, relaxed: np.ndarray, kept: list[Choice]) -> list[tuple[Choice, Choice, list[Cut]]]:
