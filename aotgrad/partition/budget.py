@@ -311,7 +311,7 @@ def _blends(problem: Problem, relaxed: np.ndarray, kept: list[Choice]) -> list[t
     """Cuts between two neighbouring kept cuts A and B (B the higher peak) whose estimated
     peaks differ by more than `BLEND_GAP` of the ladder's span: before a layer point the
     values B saves free to save, from it on those A saves, the rest at the highest price.
-    The backward's peak falls as the point moves up the model, so spaced points (at most
+    The later the point, the more is saved as B saves it, so spaced points (at most
     `BLEND_SPLITS` per gap) give the budgets between A and B plans of their own. Per gap:
     A, B and its cuts. Only those estimated inside (A, B), and not about as high as
     either (`SAME_PEAK`), are weighed: the ladder's own cuts stay (an 8-layer MLP's blend

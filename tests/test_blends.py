@@ -1,0 +1,61 @@
+"""Blends fill the budget's ladder (`budget._blends`): on a stack written otherwise than the
+GPT the candidates were shaped on, each budget step below 1 takes a plan of its own.
+Planned for an H100's profile (the estimate only: nothing is compiled, no GPU compiler is
+needed); the compiled peaks are in docs/partitioner.md ("Blends fill the ladder")."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+
+import aotgrad
+from aotgrad.devices import profile_named
+from aotgrad.partition import budget
+from aotgrad.partition.min_cut import Problem
+from benchmarks.stacks import stack
+from benchmarks.workloads import build
+
+STEPS = (0.8, 0.5, 0.3, 0.2, 0.1, 0.05, 0.0)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    """An 8-layer pre-norm stack (separate q/k/v without biases, heads transposed and
+    multiplied with @), traced on shapes, planned for an H100."""
+    return _planned_for_h100(*stack(batch=2, seq=512, d_model=256, heads=4, layers=8))
+
+
+def _planned_for_h100(loss, params, batch):
+    """The step's joint graph, traced on the arguments' shapes, with an H100's profile."""
+    spec = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
+    graph = aotgrad.compile(loss).trace(spec(params), spec(batch)).pair(0, under_jit=True).graph
+    return dataclasses.replace(graph, device=profile_named("h100"))
+
+
+def _taken(graph) -> list[int]:
+    """The estimated peak of the plan each budget step takes (`within_budget`'s rule)."""
+    steps = budget.choices(Problem.priced(graph))
+    low, high = steps[0].peak, steps[-1].peak
+    return [[c for c in steps if c.peak <= low + b * (high - low)][-1].peak for b in STEPS]
+
+
+def test_each_budget_step_is_a_plan_of_its_own(graph, monkeypatch):
+    taken = _taken(graph)
+    assert taken == sorted(taken, reverse=True) and len(set(taken)) == len(STEPS), taken
+    monkeypatch.setattr(budget, "BLEND_SPLITS", 0)  # without blends, steps share plans
+    assert len(set(_taken(graph))) < len(STEPS)
+
+
+def test_blends_leave_the_ends_of_the_ladder(monkeypatch):
+    """Budget 0's and the cheapest cut's plans are the ladder's own, blends or not. An
+    8-layer MLP (batch 8192, width 2048) has a blend estimated 1.6% above budget 0's cut and
+    cheaper, which took its place until blends that close to either end were dropped (it
+    compiled 1.09x higher on an H100: tests/gpu_target_cases.py)."""
+    w = build("mlp", "mlp", dict(batch=8192, width=2048, depth=8))
+    graph = _planned_for_h100(w.loss_fn, w.params, w.batch)
+    with_blends = budget.choices(Problem.priced(graph))
+    monkeypatch.setattr(budget, "BLEND_SPLITS", 0)
+    without = budget.choices(Problem.priced(graph))
+    for end in (0, -1):
+        assert with_blends[end].cut.saved == without[end].cut.saved
