@@ -28,8 +28,9 @@ What differs between devices today:
   `partition/costs.py`): on a GPU, `exp` or `log` is one special-function instruction
   per element and recomputing one costs a fifth of moving its output (float32, H100),
   not as much as moving it once more (on a CPU, a polynomial of tens of instructions).
-  GPT-2 small on an H100 at budget 0.99 then saves the attention scores and recomputes
-  their softmax, as `dots_saveable` does, and moves that policy's bytes (docs/benchmarks.md);
+  GPT-2 small on an H100, in the cut just below the cheapest (budget 0.99 before the
+  ladder had blends), then saves the attention scores and recomputes their softmax, as
+  `dots_saveable` does, and moves that policy's bytes (docs/benchmarks.md);
 - whether saving a value inside a row normalization costs a pass over its input
   (`row_reductions_fuse` again, `partition/min_cut.py`): XLA:GPU runs a softmax or a
   layer norm as one kernel only while nothing inside it (its max, its sum, values
