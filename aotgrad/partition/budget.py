@@ -168,14 +168,16 @@ def _priced(problem: Problem, relaxed: np.ndarray, free: np.ndarray | None = Non
     return cuts
 
 
-def _with_boundaries(problem: Problem, relaxed: np.ndarray, stacked: bool = False) -> list[Cut]:
+def _with_boundaries(problem: Problem, relaxed: np.ndarray, stacked: bool = False,
+                     free: np.ndarray | None = None) -> list[Cut]:
     """The priced cuts again, with the layer boundaries free to save: the backward then
     recomputes one layer at a time from its input (see `boundaries.py`). Then with only
     every second layer point free (`COARSER_POINTS`), at the highest price (these serve
     the lowest peaks): fewer checkpoints, more recomputed at once. Those last again with
     the loss head free too, where the device keeps it and `stacked` is False (a scan
-    body's saved values stay for every iteration; it has no loss head)."""
-    free = boundaries(problem)
+    body's saved values stay for every iteration; it has no loss head). `free`: the layer
+    boundaries, if known."""
+    free = boundaries(problem) if free is None else free
     if not len(free):
         return []
     cuts = _priced(problem, relaxed, free)
@@ -258,8 +260,7 @@ def candidates(problem: Problem, stacked: bool = False) -> list[Choice]:
     """Every distinct cut a budget weighs (`ladder`, then `_with_boundaries`), the
     cheapest first, each with its estimated step peak (saved bytes for a scan body:
     `stacked`) and cost."""
-    relaxed = problem.recompute_costs(allow_costly=True)
-    return _estimated(ladder(problem, relaxed) + _with_boundaries(problem, relaxed, stacked), relaxed, stacked)
+    return _weigh(problem, stacked, blend=False)[0]
 
 
 def _estimated(cuts: list[Cut], relaxed: np.ndarray, stacked: bool, seen: dict | None = None) -> list[Choice]:
@@ -294,20 +295,27 @@ def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
 def weighed(problem: Problem, stacked: bool = False) -> tuple[list[Choice], list[Choice]]:
     """Every candidate a budget weighs (`candidates`, then the blends) and the ladder kept
     of them (`choices`)."""
-    found = candidates(problem, stacked)
-    kept = kept_of(found)
-    if stacked:
-        return found, kept
+    return _weigh(problem, stacked, blend=not stacked)
+
+
+def _weigh(problem: Problem, stacked: bool, blend: bool) -> tuple[list[Choice], list[Choice]]:
+    """The candidates, with the blends if `blend`, and the ladder kept of them."""
     relaxed = problem.recompute_costs(allow_costly=True)
+    free = boundaries(problem)
+    found = _estimated(ladder(problem, relaxed) + _with_boundaries(problem, relaxed, stacked, free), relaxed, stacked)
+    kept = kept_of(found)
+    if not blend:
+        return found, kept
     seen = {frozenset(c.cut.saved): c for c in found}
     more = []
-    for a, b, cuts in _blends(problem, relaxed, kept):  # inside the gap, not about as high as either end
+    for a, b, cuts in _blends(problem, relaxed, kept, free):  # inside the gap, not about as high as either end
         inside = (a.peak * (1 + SAME_PEAK), b.peak * (1 - SAME_PEAK))
         more += [c for c in _estimated(cuts, relaxed, stacked, seen) if inside[0] < c.peak < inside[1]]
     return (found + more, kept_of(found + more)) if more else (found, kept)
 
 
-def _blends(problem: Problem, relaxed: np.ndarray, kept: list[Choice]) -> list[tuple[Choice, Choice, list[Cut]]]:
+def _blends(problem: Problem, relaxed: np.ndarray, kept: list[Choice],
+            free: np.ndarray) -> list[tuple[Choice, Choice, list[Cut]]]:
     """Cuts between two neighbouring kept cuts A and B (B the higher peak) whose estimated
     peaks differ by more than `BLEND_GAP` of the ladder's span: before a layer point the
     values B saves free to save, from it on those A saves, the rest at the highest price.
@@ -316,8 +324,7 @@ def _blends(problem: Problem, relaxed: np.ndarray, kept: list[Choice]) -> list[t
     A, B and its cuts. Only those estimated inside (A, B), and not about as high as
     either (`SAME_PEAK`), are weighed: the ladder's own cuts stay (an 8-layer MLP's blend
     estimated 1.6% above budget 0's cut and cheaper took its place, and compiled 1.09x
-    higher on an H100)."""
-    free = boundaries(problem)
+    higher on an H100). `free`: the layer boundaries (`boundaries.py`)."""
     starts = [int(g[0]) for g in layer_points(problem, free)][1:] if len(free) else []
     if not starts or len(kept) < 2:
         return []
