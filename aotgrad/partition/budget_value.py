@@ -53,5 +53,6 @@ def parse_bytes(value: int | str) -> int:
         raise ValueError(f"{value!r} is not a whole number of bytes ({float(size):,.3f}).")
     return int(size)
 
+
 # Why budget 1 saves a value outside scans (`Problem.top_cut`).
 FUSED_REASON = "budget 1: saved, as the fused step keeps it (recomputing costs time)"

@@ -13,8 +13,9 @@ candidates of the budget's ladder, each with its estimated peak, and budget 1's 
 byte budget equal to a candidate's estimate takes that candidate, and the compiled peak
 rises with the candidates (nearly always: the estimate orders them). So `land` searches
 the candidates by bisection for the highest one whose compiled peak fits, compiling about
-log2(candidates) steps, and names it by the shortest size in its range of byte budgets
-(`setting`: "7.7GB", which a user can write).
+log2(candidates) steps (and the next ones while a step misses the limit by under 1%:
+neighbouring plans can compile alike), and names it by the shortest size in its range of
+byte budgets (`setting`: "7.7GB", which a user can write).
 """
 from __future__ import annotations
 
