@@ -263,16 +263,15 @@ def candidates(problem: Problem, stacked: bool = False) -> list[Choice]:
     return _weigh(problem, stacked, blend=False)[0]
 
 
-def _estimated(cuts: list[Cut], relaxed: np.ndarray, stacked: bool, seen: dict | None = None) -> list[Choice]:
+def _estimated(problem: Problem, cuts: list[Cut], relaxed: np.ndarray, stacked: bool,
+               seen: dict[frozenset, Choice]) -> list[Choice]:
     """The distinct cuts among `cuts` not in `seen` (saved sets, updated), as `Choice`s."""
-    seen = {} if seen is None else seen
+    by_traffic = problem.graph.device is not None and problem.graph.device.ranks_by_traffic
     out = []
     for cut in cuts:
         key = frozenset(cut.saved)
         if key in seen:
             continue
-        problem = cut.problem
-        by_traffic = problem.graph.device is not None and problem.graph.device.ranks_by_traffic
         step = None if stacked else step_programs(cut)
         peak = cut.activation_bytes if stacked else estimate(step)
         seen[key] = choice = Choice(cut, peak, _runtime_cost(cut, relaxed), step if by_traffic else None)
@@ -302,15 +301,16 @@ def _weigh(problem: Problem, stacked: bool, blend: bool) -> tuple[list[Choice], 
     """The candidates, with the blends if `blend`, and the ladder kept of them."""
     relaxed = problem.recompute_costs(allow_costly=True)
     free = boundaries(problem)
-    found = _estimated(ladder(problem, relaxed) + _with_boundaries(problem, relaxed, stacked, free), relaxed, stacked)
+    seen: dict[frozenset, Choice] = {}  # by saved set: each estimated once, the blends' too
+    found = _estimated(problem, ladder(problem, relaxed) + _with_boundaries(problem, relaxed, stacked, free),
+                       relaxed, stacked, seen)
     kept = kept_of(found)
     if not blend:
         return found, kept
-    seen = {frozenset(c.cut.saved): c for c in found}
     more = []
     for a, b, cuts in _blends(problem, relaxed, kept, free):  # inside the gap, not about as high as either end
         inside = (a.peak * (1 + SAME_PEAK), b.peak * (1 - SAME_PEAK))
-        more += [c for c in _estimated(cuts, relaxed, stacked, seen) if inside[0] < c.peak < inside[1]]
+        more += [c for c in _estimated(problem, cuts, relaxed, stacked, seen) if inside[0] < c.peak < inside[1]]
     return (found + more, kept_of(found + more)) if more else (found, kept)
 
 
