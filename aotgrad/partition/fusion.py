@@ -109,9 +109,23 @@ class Deps:
         self.read = np.asarray(read, np.int64)  # per read: the variable read
         self.always = np.asarray([i for i, e in enumerate(graph.eqns)
                                   if e.effects and graph.is_backward_eqn(e)], np.int64)
+        self._outputs: tuple[list[int], np.ndarray] | None = None  # `forward`'s, once found
 
     def numbers(self, values: Iterable) -> np.ndarray:
         return np.asarray([self.ids[v] for v in values if isinstance(v, Var)], np.int64)
+
+    def forward(self, outputs: Sequence, values: Sequence) -> list[int]:
+        """`live(outputs + values)` from the inputs: the outputs' equations are found once
+        (the same on every call), and are all it is where they make every value too."""
+        if self._outputs is None:
+            found = self.live(outputs, np.zeros(0, np.int64))
+            made = np.zeros(self.n + 1, bool)  # per equation (the last entry: none)
+            made[found] = True
+            self._outputs = found.tolist(), made[self.producer]  # per variable: made by one of them
+        found, made = self._outputs
+        if made[self.numbers(values)].all():  # their equations' ancestors are among the outputs'
+            return list(found)
+        return self.live(list(outputs) + list(values), np.zeros(0, np.int64)).tolist()
 
     def live(self, roots: Iterable, available: np.ndarray, keep_effects: bool = False) -> np.ndarray:
         """The sorted equation indices needed to compute `roots`, stopping at the variables
@@ -173,7 +187,7 @@ def programs(graph: JointGraph, saved: Sequence[Var], backward_order: Sequence[i
     `schedule.plan` if not given."""
     inputs = set(graph.inputs)
     activations = [v for v in saved if v not in inputs]
-    fwd_idx = deps(graph).live(list(graph.outputs) + activations, np.zeros(0, np.int64)).tolist()
+    fwd_idx = deps(graph).forward(graph.outputs, activations)
     if waiting is None:
         groups = schedule.plan([graph.eqns[i] for i in backward_order], graph.backward)
         waiting = {p for g in groups for p in range(g.start, g.stop)}
@@ -186,8 +200,8 @@ def programs(graph: JointGraph, saved: Sequence[Var], backward_order: Sequence[i
     t, eqns = table(graph), graph.eqns
 
     def run(idx: list[int], *rest: object) -> Program:
-        return Program([eqns[i] for i in idx], *rest, rows=[t.rows[i] for i in idx],  # type: ignore[arg-type]
-                       index=idx)
+        return Program(list(map(eqns.__getitem__, idx)), *rest,  # type: ignore[arg-type]
+                       rows=list(map(t.rows.__getitem__, idx)), index=idx)
 
     if graph.staged:  # one program: the saved values are its temporaries
         runs = (run(fwd_idx + bwd_idx, args + cotangents, outs + grads,
@@ -202,19 +216,18 @@ def _untied_first(graph: JointGraph, idx: list[int], waiting: AbstractSet[int]) 
     """The backward's equations (joint indices) as XLA runs them: recomputation that no
     group ties to a cotangent (`waiting`: positions in `idx`) moves to the start (with what
     it reads, when that is untied too); and how many moved."""
-    backward, operands = table(graph).backward, order.links(graph).forward_operands
-    early: list[int] = []
-    late: list[int] = []
+    lk = order.links(graph)
+    at = np.asarray(idx, np.int64)
+    early = np.zeros(len(at), bool)
+    operands = lk.forward_operands
     made_late: set[int] = set()  # recomputation reading what these make stays late too
-    for n, i in enumerate(idx):
-        if backward[i]:  # (forward equations never read what these make)
-            late.append(i)
-        elif n not in waiting and made_late.isdisjoint(operands[i]):
-            early.append(i)
+    for n in np.flatnonzero(~lk.is_backward[at]).tolist():  # (forward equations never read the backward's)
+        i = idx[n]
+        if n not in waiting and made_late.isdisjoint(operands[i]):
+            early[n] = True
         else:
-            late.append(i)
             made_late.add(i)
-    return early + late, len(early)
+    return at[early].tolist() + at[~early].tolist(), int(early.sum())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ import functools
 import weakref
 from typing import Sequence
 
+import numpy as np
 from jax.extend.core import Var
 
 from aotgrad.partition import schedule
@@ -43,6 +44,11 @@ class Links:
         self.forward_operands = [tuple(p for p in ops if p >= 0 and not self.backward[p]) for ops in self.operands]
         self.views = [e.primitive in schedule.VIEWS for e in graph.eqns]
         self.matmuls = [e.primitive in MATMULS for e in graph.eqns]
+        self.is_backward = np.asarray(self.backward, bool)  # `backward`, to select with
+        self.backward_matmuls = self.is_backward & np.asarray(self.matmuls, bool)
+        # Per backward equation: the runs of recomputation emitted before it for earlier
+        # saved sets (`_late`), each with the equations it emits and those they read.
+        self.runs: dict[int, list[tuple[list[int], frozenset[int], frozenset[int]]]] = {}
 
     @functools.cached_property
     def waits(self) -> dict[int, int]:
@@ -104,20 +110,27 @@ def ordered(graph: JointGraph, idx: Sequence[int]) -> Backward:
 def _late(lk: Links, idx: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
     """`recompute_late`'s order, and the runs of recomputation emitted just before a
     backward equation: positions [start, stop), the equation at stop."""
-    backward, operands = lk.backward, lk.forward_operands
-    pending = {i for i in idx if not backward[i]}  # recomputed, not emitted yet
+    at = np.asarray(idx, np.int64)
+    own = lk.is_backward[at]
+    operands = lk.forward_operands
+    pending = set(at[~own].tolist())  # recomputed, not emitted yet
     order: list[int] = []
     runs: list[tuple[int, int]] = []
-    for i in idx:
-        if not backward[i]:
-            continue
+    for i in at[own].tolist():
         ops = operands[i]
-        if ops and pending and not pending.isdisjoint(ops):
-            start = len(order)
-            _emit(i, operands, pending, order)
-            runs.append((start, len(order) - 1))
-        else:  # nothing to recompute first
+        if not ops or pending.isdisjoint(ops):  # nothing to recompute first
             order.append(i)
+            continue
+        start = len(order)
+        for run, emitted, read in lk.runs.get(i, ()):
+            if pending.isdisjoint(read) and pending.issuperset(emitted):  # the search would repeat it
+                order += run
+                pending.difference_update(emitted)
+                break
+        else:
+            _emit(i, operands, pending, order)
+            _remember(lk, i, order[start:], operands)
+        runs.append((start, len(order) - 1))
     if pending:  # recomputed values returned directly as gradients
         for i in idx:
             if i in pending:
@@ -140,21 +153,30 @@ def _emit(root: int, operands: list[tuple[int, ...]], pending: set[int], order: 
             stack.extend([p for p in operands[i] if p in pending])
 
 
+def _remember(lk: Links, root: int, run: list[int], operands: list[tuple[int, ...]]) -> None:
+    emitted = frozenset(run[:-1])
+    read = frozenset().union(*[operands[j] for j in run]) - emitted
+    lk.runs.setdefault(root, []).append((run, emitted, read))
+
+
 def _waiting(lk: Links, order: list[int], runs: list[tuple[int, int]]) -> frozenset[int]:
     """The runs of recomputation that wait, as `schedule.plan` keeps its groups: one with a
     value to wait for, computed after the loss head (`schedule._head`) and before the run,
     and not only views."""
-    backward, waits = lk.backward, lk.waits
-    position = [-1] * len(backward)  # per joint equation; -1: not in `order`
-    for p, j in enumerate(order):
-        position[j] = p
-    head = next((p for p, j in enumerate(order) if backward[j] and lk.matmuls[j]), 0)
+    if not runs:
+        return frozenset()
+    at = np.asarray(order, np.int64)
+    position = np.full(len(lk.backward), -1, np.int64)  # per joint equation; -1: not in `order`
+    position[at] = np.arange(len(at))
+    heads = np.flatnonzero(lk.backward_matmuls[at])
+    head = int(heads[0]) if len(heads) else 0
+    waits, views = lk.waits, lk.views
     out: set[int] = set()
     for start, stop in runs:
         w = waits[order[stop]]
         if w < 0 or not head <= position[w] < start:
             continue
-        if all(lk.views[order[p]] for p in range(start, stop)):
+        if all(views[order[p]] for p in range(start, stop)):
             continue  # a view: free to run early (`schedule.plan`)
         out.update(range(start, stop))
     return frozenset(out)
