@@ -106,7 +106,9 @@ SAME_PEAK = 0.02
 # Estimated traffic this close (relative) counts as equal: the per-value costs decide. (GPT-2
 # small, one H100: a cut estimated 0.3% cheaper than its neighbour moved 1.1% more bytes.)
 SAME_TRAFFIC = 0.005
-GREEDY_STEPS = 24  # at most this many greedy cuts (more values are forbidden per step on big graphs)
+# At most this many greedy cuts (more values are forbidden per step on big graphs). With 24,
+# twice the cuts to solve and estimate, every ladder kept on the suites' models was the same.
+GREEDY_STEPS = 12
 # Neighbouring kept cuts whose estimated peaks differ by more than this share of the ladder's
 # span are blended (`_blends`), at most BLEND_SPLITS times per gap.
 BLEND_GAP = 0.04
