@@ -266,12 +266,11 @@ def tie(groups: Sequence[Group], by_data: bool) -> Callable[[int, dict], None]:
         names = (*group.inputs, *extra)
         values, after = [env[v] for v in names], env[group.after]
         finished = [env[v] for v in group.finished]
-        barrier = functools.partial(_tie_by_barrier, saved=(*group.saved, *(True for _ in extra)))
+        saved = (*group.saved, *(True for _ in extra))
         if by_data:  # the data tie where the program is lowered for a CPU, else the barrier
-            tied, after, finished = jax.lax.platform_dependent(values, after, finished, cpu=_tie_by_data,
-                                                               default=barrier)
+            tied, after, finished = _tie_per_platform(values, after, finished, saved)
         else:
-            tied, after, finished = barrier(values, after, finished)
+            tied, after, finished = _tie_by_barrier(values, after, finished, saved)
         env.update(zip(names, tied, strict=True))
         # The backward reads on from the waited-for copies: a barrier output nothing reads is
         # dropped by XLA, and with it the wait (XLA:GPU then ran every layer's
@@ -282,6 +281,15 @@ def tie(groups: Sequence[Group], by_data: bool) -> Callable[[int, dict], None]:
             outs = bind_eqn(eqn, [read(env, v) for v in eqn.invars])
             env.update((v, x) for v, x in zip(eqn.outvars, outs, strict=True) if isinstance(v, Var))
     return before
+
+
+@functools.partial(jax.jit, static_argnums=3, inline=True)
+def _tie_per_platform(values: list, after: Any, finished: list, saved: tuple[bool, ...]) -> tuple[list, Any, list]:
+    """The data tie where the program is lowered for a CPU, else the barrier. Staged once
+    per kind of group (a model's layers repeat them) and inlined: both ties are traced
+    into each group's conditional, hundreds of times in a deep model's backward."""
+    return jax.lax.platform_dependent(values, after, finished, cpu=_tie_by_data,
+                                      default=functools.partial(_tie_by_barrier, saved=saved))
 
 
 def _tie_by_barrier(values: list, after: Any, finished: list,
