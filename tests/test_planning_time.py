@@ -199,6 +199,47 @@ def test_backward_order_on_index_lists_is_plans(kind: str, sizes: dict, under_ji
         assert backward.waiting == {p for g in groups for p in range(g.start, g.stop)}
 
 
+def _late_by_recursion(graph: JointGraph, idx: list[int]) -> list[int]:
+    """`recompute_late`'s order found afresh from the equations: each backward equation in
+    turn after the recomputation it reads, depth first, the last operand's first."""
+    backward = [graph.is_backward_eqn(e) for e in graph.eqns]
+    pending = {i for i in idx if not backward[i]}
+    out: list[int] = []
+
+    def visit(i: int) -> None:
+        ops = [graph.producer[v] for v in graph.eqns[i].invars if isinstance(v, Var) and v in graph.producer]
+        for p in reversed(ops):
+            if p in pending and not backward[p]:
+                pending.discard(p)
+                visit(p)
+        out.append(i)
+    for i in [i for i in idx if backward[i]] + [i for i in idx if not backward[i]]:
+        if backward[i] or i in pending:
+            pending.discard(i)
+            visit(i)
+    return out
+
+
+@pytest.mark.parametrize("kind,sizes", WORKLOADS)
+@pytest.mark.parametrize("under_jit", [True, False])
+def test_runs_reused_between_candidates_are_the_order_found_afresh(kind: str, sizes: dict, under_jit: bool) -> None:
+    """`order._late` reuses a run of recomputation an earlier candidate emitted before the
+    same backward equation where the search would find it again; every candidate's order,
+    ordered after all the others (the most runs to reuse), is the one found afresh."""
+    graph = _graph(kind, sizes, under_jit)
+    cuts = _candidates(Problem.priced(graph))
+    for cut in cuts:
+        order.ordered(graph, cut.backward_eqns)
+    searched = []
+    real = order._emit
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(order, "_emit", lambda *a: searched.append(a[0]) or real(*a))
+        for cut in reversed(cuts):
+            assert order.ordered(graph, cut.backward_eqns).order == _late_by_recursion(graph, cut.backward_eqns)
+    runs = sum(len(r) for r in order.links(graph).runs.values())
+    assert len(searched) < runs  # runs were reused, not all searched again
+
+
 @pytest.mark.parametrize("kind,sizes", WORKLOADS)
 @pytest.mark.parametrize("under_jit", [True, False])
 @pytest.mark.parametrize("device", [None, "h100", "tpu"])
