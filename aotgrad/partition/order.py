@@ -154,6 +154,9 @@ def _emit(root: int, operands: list[tuple[int, ...]], pending: set[int], order: 
 
 
 def _remember(lk: Links, root: int, run: list[int], operands: list[tuple[int, ...]]) -> None:
+    """Keeps the run `_emit` made before `root` (`root` last) for later saved sets: the
+    same search finds it again wherever the equations it emitted are pending and none of
+    the others it read is (it reads the pending state of nothing else)."""
     emitted = frozenset(run[:-1])
     read = frozenset().union(*[operands[j] for j in run]) - emitted
     lk.runs.setdefault(root, []).append((run, emitted, read))

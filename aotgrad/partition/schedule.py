@@ -285,9 +285,9 @@ def tie(groups: Sequence[Group], by_data: bool) -> Callable[[int, dict], None]:
 
 @functools.partial(jax.jit, static_argnums=3, inline=True)
 def _tie_per_platform(values: list, after: Any, finished: list, saved: tuple[bool, ...]) -> tuple[list, Any, list]:
-    """The data tie where the program is lowered for a CPU, else the barrier. Staged once
-    per kind of group (a model's layers repeat them) and inlined: both ties are traced
-    into each group's conditional, hundreds of times in a deep model's backward."""
+    """The data tie where the program is lowered for a CPU, else the barrier. Through an
+    inlined `jax.jit`, each kind of group (a model's layers repeat them) traces its two
+    ties once, not once per group: a deep model's backward has hundreds."""
     return jax.lax.platform_dependent(values, after, finished, cpu=_tie_by_data,
                                       default=functools.partial(_tie_by_barrier, saved=saved))
 
