@@ -128,9 +128,11 @@ class Problem:
         return {v: k for k, v in enumerate(self.values)}
 
     @functools.cached_property
-    def eqn_position(self) -> dict[int, int]:
-        """Each forward equation's position in `eqns`, by its joint index."""
-        return {i: e for e, i in enumerate(self.eqns)}
+    def eqn_position(self) -> np.ndarray:
+        """Per joint equation, its position in `eqns` (-1: not one of them)."""
+        out = np.full(len(self.graph.eqns), -1, np.int64)
+        out[np.asarray(self.eqns, np.int64)] = np.arange(len(self.eqns))
+        return out
 
     @functools.cached_property
     def value_ids(self) -> np.ndarray:
@@ -321,8 +323,8 @@ class Cut:
     @functools.cached_property
     def recomputed(self) -> tuple[int, ...]:
         """Positions (in `problem.eqns`) of the forward equations the backward runs again."""
-        position = self.problem.eqn_position
-        return tuple(position[i] for i in self.backward_eqns if i in position)
+        position = self.problem.eqn_position[self._live]
+        return tuple(position[position >= 0].tolist())
 
     def reasons(self, why_cheaper: str = "cheaper to save than to recompute",
                 costly_banned: bool = True) -> dict[Var, str]:

@@ -45,6 +45,9 @@ class Links:
         self.views = [e.primitive in schedule.VIEWS for e in graph.eqns]
         self.matmuls = [e.primitive in MATMULS for e in graph.eqns]
         self.is_backward = np.asarray(self.backward, bool)  # `backward`, to select with
+        # `forward_operands` laid out one after another (equation i's: flat[ptr[i]:ptr[i + 1]]).
+        self.operand_ptr = np.cumsum([0] + [len(ops) for ops in self.forward_operands])
+        self.operand_flat = np.asarray([p for ops in self.forward_operands for p in ops], np.int64)
         self.backward_matmuls = self.is_backward & np.asarray(self.matmuls, bool)
         # Per backward equation: the runs of recomputation emitted before it for earlier
         # saved sets (`_late`), each with the equations it emits and those they read.
@@ -113,12 +116,23 @@ def _late(lk: Links, idx: Sequence[int]) -> tuple[list[int], list[tuple[int, int
     at = np.asarray(idx, np.int64)
     own = lk.is_backward[at]
     operands = lk.forward_operands
-    pending = set(at[~own].tolist())  # recomputed, not emitted yet
+    recomputed = at[~own]
+    pending = set(recomputed.tolist())  # recomputed, not emitted yet
+    # Backward equations that read nothing recomputed (as the backward starts, so never)
+    # go straight into the order; the others are looked at one by one.
+    marked = np.zeros(len(lk.backward), bool)
+    marked[recomputed] = True
+    seen = np.concatenate([[0], np.cumsum(marked[lk.operand_flat])])
+    own_idx = at[own]
+    own_list = own_idx.tolist()
     order: list[int] = []
     runs: list[tuple[int, int]] = []
-    for i in at[own].tolist():
-        ops = operands[i]
-        if not ops or pending.isdisjoint(ops):  # nothing to recompute first
+    done = 0  # own_list[:done] is in the order
+    for k in np.flatnonzero(seen[lk.operand_ptr[own_idx + 1]] > seen[lk.operand_ptr[own_idx]]).tolist():
+        order += own_list[done:k]
+        done = k + 1
+        i = own_list[k]
+        if pending.isdisjoint(operands[i]):  # emitted already
             order.append(i)
             continue
         start = len(order)
@@ -131,6 +145,7 @@ def _late(lk: Links, idx: Sequence[int]) -> tuple[list[int], list[tuple[int, int
             _emit(i, operands, pending, order)
             _remember(lk, i, order[start:], operands)
         runs.append((start, len(order) - 1))
+    order += own_list[done:]
     if pending:  # recomputed values returned directly as gradients
         for i in idx:
             if i in pending:
