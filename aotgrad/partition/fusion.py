@@ -109,23 +109,26 @@ class Deps:
         self.read = np.asarray(read, np.int64)  # per read: the variable read
         self.always = np.asarray([i for i, e in enumerate(graph.eqns)
                                   if e.effects and graph.is_backward_eqn(e)], np.int64)
-        self._outputs: tuple[list[int], np.ndarray] | None = None  # `forward`'s, once found
+        self.outputs = tuple(graph.outputs)  # the step's forward outputs (`forward`)
 
     def numbers(self, values: Iterable) -> np.ndarray:
         return np.asarray([self.ids[v] for v in values if isinstance(v, Var)], np.int64)
 
-    def forward(self, outputs: Sequence, values: Sequence) -> list[int]:
+    @functools.cached_property
+    def _outputs_live(self) -> tuple[list[int], np.ndarray]:
+        """The equations the graph's outputs need, and per variable whether one makes it."""
+        found = self.live(self.outputs, np.zeros(0, np.int64))
+        made = np.zeros(self.n + 1, bool)  # per equation (the last entry: none)
+        made[found] = True
+        return found.tolist(), made[self.producer]
+
+    def forward(self, values: Sequence) -> list[int]:
         """`live(outputs + values)` from the inputs: the outputs' equations are found once
-        (the same on every call), and are all it is where they make every value too."""
-        if self._outputs is None:
-            found = self.live(outputs, np.zeros(0, np.int64))
-            made = np.zeros(self.n + 1, bool)  # per equation (the last entry: none)
-            made[found] = True
-            self._outputs = found.tolist(), made[self.producer]  # per variable: made by one of them
-        found, made = self._outputs
+        per graph, and are all it is where they make every value too."""
+        found, made = self._outputs_live
         if made[self.numbers(values)].all():  # their equations' ancestors are among the outputs'
             return list(found)
-        return self.live(list(outputs) + list(values), np.zeros(0, np.int64)).tolist()
+        return self.live([*self.outputs, *values], np.zeros(0, np.int64)).tolist()
 
     def live(self, roots: Iterable, available: np.ndarray, keep_effects: bool = False) -> np.ndarray:
         """The sorted equation indices needed to compute `roots`, stopping at the variables
@@ -187,7 +190,7 @@ def programs(graph: JointGraph, saved: Sequence[Var], backward_order: Sequence[i
     `schedule.plan` if not given."""
     inputs = set(graph.inputs)
     activations = [v for v in saved if v not in inputs]
-    fwd_idx = deps(graph).forward(graph.outputs, activations)
+    fwd_idx = deps(graph).forward(activations)
     if waiting is None:
         groups = schedule.plan([graph.eqns[i] for i in backward_order], graph.backward)
         waiting = {p for g in groups for p in range(g.start, g.stop)}
