@@ -62,6 +62,7 @@ GROUPS = {
         "test_moved_recomputation_is_computed_where_it_is_read_on_the_h100",
         "test_saving_inside_a_softmax_costs_a_read_of_its_row_on_the_h100",
         "test_a_fused_kernel_holds_what_it_reads_on_the_h100",
+        "test_a_budget_meets_dots_saveable_on_a_held_out_stack",
     ],
 }
 

@@ -339,3 +339,62 @@ def test_on_several_devices_the_backward_reads_weights_through_a_barrier(monkeyp
     with aotgrad.config.patch(activation_memory_budget=0.0):
         got = jax.jit(jax.grad(aotgrad.compile(relu_stack)))(_params())
     jax.tree.map(_close, got, jax.grad(relu_stack)(_params()))
+
+
+def gelu_stack(p: dict) -> jax.Array:
+    """Residual layers with a tanh GELU between two matmuls: its backward reads the saved
+    pre-activation in several groups of recomputation."""
+    h = p["x"]
+    for w in p["w"]:
+        h = h + jax.nn.gelu(h @ w, approximate=True) @ w.T
+    return jnp.sum(h * h)
+
+
+def test_a_group_reads_the_last_barriers_copies_of_what_it_passed() -> None:
+    """A group whose saved inputs all passed through the last barrier reads that barrier's
+    copies and adds no barrier of its own (`Group.rides`): XLA fuses nothing across a
+    barrier, and one for each of the GELU's backward groups split its backward into two
+    kernels (an 8-layer stack on an H100: 1.04x `dots_saveable`'s bytes with the same
+    values saved). So no barrier takes only values the one before it took. Lowered for a
+    GPU; no GPU or plugin needed."""
+    with aotgrad.config.patch(activation_memory_budget=RECOMPUTING):
+        step = jax.jit(jax.value_and_grad(aotgrad.compile(gelu_stack)))
+        text = step.trace(_params()).lower(lowering_platforms=("cuda",)).as_text()
+    barriers = [re.search(r"optimization_barrier (.*) :", line).group(1).split(", ")
+                for line in text.splitlines() if "stablehlo.optimization_barrier" in line]
+    assert len(barriers) >= L - 1
+    for before, after in zip(barriers, barriers[1:]):
+        assert not set(after[:-1]) <= set(before[:-1]), (before, after)  # the last: the waited-for value
+    got = step(_params())
+    want = jax.value_and_grad(gelu_stack)(_params())
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    jax.tree.map(_close, got[1], want[1])
+
+
+@pytest.mark.parametrize("by_data", [True, False], ids=["data", "barrier"])
+def test_what_the_loss_head_recomputed_is_read_through_a_barrier(monkeypatch, by_data: bool) -> None:
+    """In a jitted step, a value the loss head recomputes (nothing waits for it, so XLA
+    computes it once with the forward's) that the forward holds in memory is read by later
+    groups through their barrier, as a saved value is (`plan`'s `early`): else XLA
+    computes what those groups recompute from it once, in the forward, and holds it (a
+    pre-norm stack saving its matmul outputs: each layer's normalized inputs, 1.03x the
+    peak of `dots_saveable` on an H100: tests/gpu_target_cases.py). Values and gradients
+    stay JAX's under both ways of waiting."""
+    from benchmarks.stacks import stack
+    monkeypatch.setattr(schedule, "tie_by_data", lambda: by_data)
+    loss, params, batch = stack(batch=2, seq=64, d_model=32, heads=2, layers=3)
+    tied = []
+
+    def plan(eqns, *args, **kwargs):
+        groups = original(eqns, *args, **kwargs)
+        made = {v for e in eqns for v in e.outvars}
+        tied.extend(v for g in groups for v, s in zip(g.inputs, g.saved) if s and v in made)
+        return groups
+    original = schedule.plan
+    monkeypatch.setattr(schedule, "plan", plan)
+    with aotgrad.config.patch(activation_memory_budget=0.5):
+        got = jax.jit(jax.value_and_grad(aotgrad.compile(loss)))(params, batch)
+    assert tied
+    want = jax.value_and_grad(loss)(params, batch)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    jax.tree.map(_close, got[1], want[1])

@@ -37,8 +37,8 @@ from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.rules import Kind, duplicated, kind_of
 from aotgrad.partition.shards import per_device_bytes
 
-__all__ = ["FUSED", "READ_FUSED", "Deps", "Program", "Programs", "Reads", "Row", "Value", "deps", "programs", "reads",
-           "rows"]
+__all__ = ["FUSED", "READ_FUSED", "Deps", "Program", "Programs", "Reads", "Row", "Value", "deps", "held", "programs",
+           "reads", "rows"]
 
 FUSED = (Kind.CHEAP, Kind.MOVE)  # equations XLA fuses into their readers
 READ_FUSED = FUSED + (Kind.REDUCE,)  # readers a single elementwise producer fuses into
@@ -307,6 +307,16 @@ def reads(eqns: list[JaxprEqn], kinds: list[Kind], recomputed_in_readers: Callab
     r = Reads(operands, last, written, readers)
     _computed_where_read(eqns, kinds, early, r)
     return r
+
+
+def held(graph: JointGraph, idx: Sequence[int]) -> set[Var]:
+    """The values a program of the joint equations `idx` (in order) holds in memory: the
+    results of equations XLA does not fuse into their readers, and the values it writes
+    (`reads`)."""
+    t = table(graph)
+    run = [t.rows[i] for i in idx]
+    r = reads([graph.eqns[i] for i in idx], [row[2] for row in run], _duplicated(graph), table=run)
+    return {v for v, _ in r.written} | {v for row in run if row[2] not in FUSED for v in row[1]}
 
 
 def _computed_where_read(eqns: list[JaxprEqn], kinds: list[Kind], early: range, r: Reads) -> None:

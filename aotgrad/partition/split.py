@@ -17,7 +17,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
 
 from aotgrad.interpret import eval_jaxpr
-from aotgrad.partition import schedule
+from aotgrad.partition import fusion, schedule
 from aotgrad.partition.order import recompute_late  # re-exported: the backward's order
 from aotgrad.partition.graph import JointGraph, live_eqns
 from aotgrad.partition.zeros import known_zero, zeros_like
@@ -119,7 +119,7 @@ def split(graph: JointGraph, saved: dict[Var, str], absent: Sequence[Var] = ()) 
     forward = _emit(graph, "forward", fwd_idx, fwd_in, list(graph.outputs) + list(activations))
     order = recompute_late(graph, bwd_idx)
     groups = schedule.plan([graph.eqns[i] for i in order], graph.backward - zero, graph.devices,
-                           step_inputs=frozenset(graph.inputs))
+                           step_inputs=frozenset(graph.inputs), early=_early(graph, fwd_idx, order))
     backward = _emit(graph, "backward", order, bwd_in, list(graph.grads),
                      before_eqn=schedule.tie(groups, schedule.tie_by_data()),
                      zeros=_zeros_read(graph, order, zero))
@@ -127,6 +127,16 @@ def split(graph: JointGraph, saved: dict[Var, str], absent: Sequence[Var] = ()) 
     producers = tuple(graph.eqns[graph.producer[v]] for v in activations)
     return Split(forward, backward, activations, saved_inputs, reasons,
                  tuple(sorted(recomputed.items())), producers, len(groups))
+
+
+def _early(graph: JointGraph, fwd_idx: Sequence[int], order: Sequence[int]) -> frozenset[Var]:
+    """The backward's recomputed values that the forward holds in memory (`fusion.held`)
+    where both are one program (a jitted step): `schedule.plan`'s `early`. Where they run
+    as two programs, none: XLA cannot compute anything of the backward's with the forward."""
+    if not graph.staged:
+        return frozenset()
+    held, backward = fusion.held(graph, fwd_idx), fusion.table(graph).backward
+    return frozenset(v for i in order if not backward[i] for v in graph.eqns[i].outvars if v in held)
 
 
 def _zeros_read(graph: JointGraph, order: Sequence[int], zero: frozenset[Var]) -> list[Var]:
