@@ -18,7 +18,7 @@ from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
 
 from aotgrad.interpret import eval_jaxpr
 from aotgrad.partition import fusion, schedule
-from aotgrad.partition.order import recompute_late  # re-exported: the backward's order
+from aotgrad.partition.order import links, recompute_late  # recompute_late re-exported: the backward's order
 from aotgrad.partition.graph import JointGraph, live_eqns
 from aotgrad.partition.zeros import known_zero, zeros_like
 
@@ -133,10 +133,12 @@ def _early(graph: JointGraph, fwd_idx: Sequence[int], order: Sequence[int]) -> f
     """The backward's recomputed values that the forward holds in memory (`fusion.held`)
     where both are one program (a jitted step): `schedule.plan`'s `early`. Where they run
     as two programs, none: XLA cannot compute anything of the backward's with the forward."""
-    if not graph.staged:
+    backward = links(graph).is_backward
+    recomputed = [i for i in order if not backward[i]]
+    if not graph.staged or not recomputed:
         return frozenset()
-    held, backward = fusion.held(graph, fwd_idx), fusion.table(graph).backward
-    return frozenset(v for i in order if not backward[i] for v in graph.eqns[i].outvars if v in held)
+    held = fusion.held(graph, fwd_idx)
+    return frozenset(v for i in recomputed for v in graph.eqns[i].outvars if v in held)
 
 
 def _zeros_read(graph: JointGraph, order: Sequence[int], zero: frozenset[Var]) -> list[Var]:
