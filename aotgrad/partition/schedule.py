@@ -51,11 +51,14 @@ one for its platform (the compiler never sees a conditional):
   XLA once with the forward's, and so is whatever a later group recomputes from it
   directly: XLA holds the forward's result until that group. So the head's recomputed
   values that the forward holds in memory anyway (`early`: matmul outputs, values with
-  several readers) pass through a group's barrier as saved values do. The same stack
-  recomputes its residual stream in the head from the saved matmul outputs; read
-  untied, each layer's normalized inputs were held from the forward (9.19 GB against the
-  policy's 8.76; 8.72 tied). Values the forward fuses into their readers are not tied:
-  a barrier would write them (tying all the head's values raised budget 0's peak 6%).
+  several readers) pass through a group's barrier as saved values do, once the backward
+  has passed its first barrier. The same stack recomputes its residual stream in the head
+  from the saved matmul outputs; read untied, each layer's normalized inputs were held
+  from the forward (9.19 GB against the policy's 8.76; 8.72 tied). Values the forward
+  fuses into their readers are not tied: a barrier would write them (tying all the
+  head's values raised budget 0's peak 6%). Nor are they before the first barrier: what
+  runs there runs where the forward ends, beside the forward's values anyway (tying
+  there, budget 0 on that stack peaked 1.1% higher: the last layer's recomputation).
 - XLA:CPU removes barriers before it schedules, so there (with one device) the group's
   floating-point inputs become `x - z`, with `z` a zero computed from two elements of the
   cotangent by integer operations XLA cannot fold. `x - 0.0` is `x` exactly (signed zeros
@@ -120,8 +123,8 @@ def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var], devices: int = 1,
     cotangent-dependent values) that have something to wait for. With several `devices`
     groups also wait for weight gradients (`_finished`; `step_inputs` are never freed).
     `early`: recomputed values the forward holds in memory in the same program, which a
-    group reads through its barrier as it does a saved value unless a group recomputed them
-    after a wait (see the module's docstring)."""
+    group after the backward's first barrier reads through its own as it does a saved
+    value, unless a group recomputed them after a wait (see the module's docstring)."""
     position = {v: i for i, e in enumerate(eqns) for v in e.outvars if isinstance(v, Var)}
     is_bwd = [any(isinstance(v, Var) and v in backward for v in e.invars) for e in eqns]
     readers: list[list[int]] = [[] for _ in eqns]
@@ -158,9 +161,10 @@ def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var], devices: int = 1,
         inside = {v for i in group for v in eqns[i].outvars}
         inputs = tuple(dict.fromkeys(v for i in group for v in eqns[i].invars
                                      if isinstance(v, Var) and v not in inside))
-        # Saved: not computed by the backward, or recomputed where nothing waited (the
-        # loss head's recomputation), which XLA may compute once with the forward's.
-        saved = tuple(v not in position or (v in early and position[v] not in waited) for v in inputs)
+        # Saved: not computed by the backward, or (once the backward has waited) held by the
+        # forward and recomputed where nothing waited, which XLA computes once with the forward's.
+        saved = tuple(v not in position or (bool(tied) and v in early and position[v] not in waited)
+                      for v in inputs)
         finished = ()
         rides = any(saved) and {v for v, s in zip(inputs, saved) if s} <= tied
         if any(saved) and not rides:  # a barrier: it waits for the ends since the last one
