@@ -374,8 +374,9 @@ def test_a_group_reads_the_last_barriers_copies_of_what_it_passed() -> None:
 @pytest.mark.parametrize("by_data", [True, False], ids=["data", "barrier"])
 def test_what_the_loss_head_recomputed_is_read_through_a_barrier(monkeypatch, by_data: bool) -> None:
     """In a jitted step, a value the loss head recomputes (nothing waits for it, so XLA
-    computes it once with the forward's) that the forward holds in memory is read by later
-    groups through their barrier, as a saved value is (`plan`'s `early`): else XLA
+    computes it once with the forward's) that the forward holds in memory is read by the
+    groups after the backward's first barrier through theirs, as a saved value is (`plan`'s
+    `early`): else XLA
     computes what those groups recompute from it once, in the forward, and holds it (a
     pre-norm stack saving its matmul outputs: each layer's normalized inputs, 1.03x the
     peak of `dots_saveable` on an H100: tests/gpu_target_cases.py). Values and gradients
