@@ -376,8 +376,8 @@ def test_what_the_loss_head_recomputed_is_read_through_a_barrier(monkeypatch, by
     """In a jitted step, a value the loss head recomputes (nothing waits for it, so XLA
     computes it once with the forward's) that the forward holds in memory is read by the
     groups after the backward's first barrier through theirs, as a saved value is (`plan`'s
-    `early`): else XLA
-    computes what those groups recompute from it once, in the forward, and holds it (a
+    `early`): else XLA computes what those groups recompute from it once, in the forward,
+    and holds it (a
     pre-norm stack saving its matmul outputs: each layer's normalized inputs, 1.03x the
     peak of `dots_saveable` on an H100: tests/gpu_target_cases.py). Values and gradients
     stay JAX's under both ways of waiting."""

@@ -42,23 +42,6 @@ one for its platform (the compiler never sees a conditional):
   XLA write them to memory). The backward reads on from the barrier's copy of the
   cotangent, as `jax.checkpoint`'s backward does: XLA drops a barrier output nothing
   reads, and the wait with it.
-  A group whose saved inputs all passed through the last barrier reads that barrier's
-  copies and has none of its own (`Group.rides`): XLA fuses nothing across a barrier, and
-  one for each of a GELU's backward groups split it into two kernels, one writing what
-  the other read (an 8-layer stack saving its matmul outputs, as `dots_saveable` does:
-  104.9 GB moved against the policy's 100.9; 100.2 GB riding).
-  In a jitted step, the recomputation nothing waits for (the loss head's) is computed by
-  XLA once with the forward's, and so is whatever a later group recomputes from it
-  directly: XLA holds the forward's result until that group. So the head's recomputed
-  values that the forward holds in memory anyway (`early`: matmul outputs, values with
-  several readers) pass through a group's barrier as saved values do, once the backward
-  has passed its first barrier. The same stack recomputes its residual stream in the head
-  from the saved matmul outputs; read untied, each layer's normalized inputs were held
-  from the forward (9.19 GB against the policy's 8.76; 8.72 tied). Values the forward
-  fuses into their readers are not tied: a barrier would write them (tying all the
-  head's values raised budget 0's peak 6%). Nor are they before the first barrier: what
-  runs there runs where the forward ends, beside the forward's values anyway (tying
-  there, budget 0 on that stack peaked 1.1% higher: the last layer's recomputation).
 - XLA:CPU removes barriers before it schedules, so there (with one device) the group's
   floating-point inputs become `x - z`, with `z` a zero computed from two elements of the
   cotangent by integer operations XLA cannot fold. `x - 0.0` is `x` exactly (signed zeros
@@ -66,6 +49,25 @@ one for its platform (the compiler never sees a conditional):
   so they read one scalar rather than the cotangent. With several devices that zero would
   be read across shards (a collective per group), so multi-device CPU programs get
   barriers: correct, but without the lower peak.
+
+Either way, a group whose saved inputs all passed through the last tie reads that tie's
+copies and has none of its own (`Group.rides`): XLA fuses nothing across a barrier, and
+one for each of a GELU's backward groups split it into two kernels, one writing what
+the other read (an 8-layer stack saving its matmul outputs, as `dots_saveable` does:
+104.9 GB moved against the policy's 100.9; 100.2 GB riding).
+
+In a jitted step, the recomputation nothing waits for (the loss head's) is computed by
+XLA once with the forward's, and so is whatever a later group recomputes from it
+directly: XLA holds the forward's result until that group. So the head's recomputed
+values that the forward holds in memory anyway (`early`: matmul outputs, values with
+several readers) pass through a group's tie as saved values do, once the backward
+has passed its first tie. The same stack recomputes its residual stream in the head
+from the saved matmul outputs; read untied, each layer's normalized inputs were held
+from the forward (9.19 GB against the policy's 8.76; 8.72 tied). Values the forward
+fuses into their readers are not tied: a barrier would write them (tying all the
+head's values raised budget 0's peak 6%). Nor are they before the first tie: what
+runs there runs where the forward ends, beside the forward's values anyway (tying
+there, budget 0 on that stack peaked 1.1% higher: the last layer's recomputation).
 """
 from __future__ import annotations
 
@@ -96,7 +98,9 @@ _CONTRACTIONS = MATMULS | {P.reduce_sum_p}
 class Group:
     """Recomputed equations [start, stop) (positions in the backward's order) that wait
     for `after`, a backward value; `inputs` are the values they read from outside, `saved`
-    says which of them are saved values (the others an earlier group recomputed)."""
+    says which of them pass through the tie as saved values do: the saved values, and the
+    loss head's recomputation the forward holds (`plan`'s `early`); the others an earlier
+    group recomputed after its wait."""
     start: int
     stop: int
     inputs: tuple[Var, ...]
