@@ -5,6 +5,7 @@ needed); the compiled peaks are in docs/partitioner.md ("Blends fill the ladder"
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import pytest
@@ -43,7 +44,7 @@ def _taken(graph) -> list[int]:
 def test_each_budget_step_is_a_plan_of_its_own(graph, monkeypatch):
     taken = _taken(graph)
     assert taken == sorted(taken, reverse=True) and len(set(taken)) == len(STEPS), taken
-    monkeypatch.setattr(budget, "BLEND_SPLITS", 0)  # without blends, steps share plans
+    monkeypatch.setattr(budget, "BLEND_STEP", math.inf)  # without blends, steps share plans
     assert len(set(_taken(graph))) < len(STEPS)
 
 
@@ -55,7 +56,7 @@ def test_blends_leave_the_ends_of_the_ladder(monkeypatch):
     w = build("mlp", "mlp", dict(batch=8192, width=2048, depth=8))
     graph = _planned_for_h100(w.loss_fn, w.params, w.batch)
     with_blends = budget.choices(Problem.priced(graph))
-    monkeypatch.setattr(budget, "BLEND_SPLITS", 0)
+    monkeypatch.setattr(budget, "BLEND_STEP", math.inf)
     without = budget.choices(Problem.priced(graph))
     for end in (0, -1):
         assert with_blends[end].cut.saved == without[end].cut.saved

@@ -50,11 +50,13 @@ The candidates:
   the backward reads few boundaries and the head found spans most of the model, only
   those saved less than nearly everything.)
 - Blends fill what is left between them (`_blends`): where two neighbouring kept cuts'
-  estimated peaks lie far apart, the layers before a layer point saved as the higher
-  one saves them and the rest as the lower one does. Without them an 8-layer stack
-  written otherwise than the GPT had no candidate between 4.9 and 8.7 GB on an H100, and
-  budgets 0.5, 0.3 and 0.2 gave one plan; with them each gave its own, the compiled peak
-  falling with the budget (docs/partitioner.md).
+  estimated peaks differ by more than `BLEND_STEP`, the layers before a layer point saved
+  as the higher one saves them and the rest as the lower one does, split again until no
+  two neighbours differ by more. Without them an 8-layer stack written otherwise than the
+  GPT had no candidate between 4.9 and 8.7 GB on an H100, and budgets 0.5, 0.3 and 0.2
+  gave one plan; and on GPT-2 small on an H100 no plan compiled between 8.27 and 10.33 GB
+  or 12.62 and 14.18 GB, so the byte limits 10GB and 14GB landed at 0.83x and 0.90x of
+  themselves (docs/partitioner.md).
 
 A budget in bytes (`Bytes`, "12GB") is the limit itself: the cheapest candidate whose
 estimated step peak is at most that many bytes; if none is, `BudgetUnreachable` names the
@@ -75,7 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import jax.extend.core.primitives as P
 import numpy as np
@@ -109,10 +111,10 @@ SAME_TRAFFIC = 0.005
 # At most this many greedy cuts (more values are forbidden per step on big graphs). With 24,
 # twice the cuts to solve and estimate, every ladder kept on the suites' models was the same.
 GREEDY_STEPS = 12
-# Neighbouring kept cuts whose estimated peaks differ by more than this share of the ladder's
-# span are blended (`_blends`), at most BLEND_SPLITS times per gap.
-BLEND_GAP = 0.04
-BLEND_SPLITS = 3
+# Neighbouring kept cuts whose estimated peaks differ by more than this ratio are blended
+# (`_blends`) until no two neighbours do: a byte budget then lands on a plan within about this
+# share below it, where the compiled peaks follow the estimates (`planning/land.py`).
+BLEND_STEP = 0.04
 COARSER_POINTS = (2,)  # layer points kept free besides every one: every second
 
 
@@ -268,17 +270,22 @@ def candidates(problem: Problem, stacked: bool = False) -> list[Choice]:
 def _estimated(problem: Problem, cuts: list[Cut], relaxed: np.ndarray, stacked: bool,
                seen: dict[frozenset, Choice]) -> list[Choice]:
     """The distinct cuts among `cuts` not in `seen` (saved sets, updated), as `Choice`s."""
-    by_traffic = problem.graph.device is not None and problem.graph.device.ranks_by_traffic
     out = []
     for cut in cuts:
-        key = frozenset(cut.saved)
-        if key in seen:
-            continue
+        if frozenset(cut.saved) not in seen:
+            out.append(_choice(problem, cut, relaxed, stacked, seen))
+    return out
+
+
+def _choice(problem: Problem, cut: Cut, relaxed: np.ndarray, stacked: bool, seen: dict[frozenset, Choice]) -> Choice:
+    """`cut` as a `Choice`, estimated once per saved set (`seen`, updated)."""
+    key = frozenset(cut.saved)
+    if key not in seen:
+        by_traffic = problem.graph.device is not None and problem.graph.device.ranks_by_traffic
         step = None if stacked else step_programs(cut)
         peak = cut.activation_bytes if stacked else estimate(step)
-        seen[key] = choice = Choice(cut, peak, _runtime_cost(cut, relaxed), step if by_traffic else None)
-        out.append(choice)
-    return out
+        seen[key] = Choice(cut, peak, _runtime_cost(cut, relaxed), step if by_traffic else None)
+    return seen[key]
 
 
 def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
@@ -309,41 +316,48 @@ def _weigh(problem: Problem, stacked: bool, blend: bool) -> tuple[list[Choice], 
     kept = kept_of(found)
     if not blend:
         return found, kept
-    more = []
-    for a, b, cuts in _blends(problem, relaxed, kept, free):  # inside the gap, not about as high as either end
-        inside = (a.peak * (1 + SAME_PEAK), b.peak * (1 - SAME_PEAK))
-        more += [c for c in _estimated(problem, cuts, relaxed, stacked, seen) if inside[0] < c.peak < inside[1]]
+    more = _blends(problem, relaxed, kept, free, lambda cut: _choice(problem, cut, relaxed, stacked, seen))
     return (found + more, kept_of(found + more)) if more else (found, kept)
 
 
-def _blends(problem: Problem, relaxed: np.ndarray, kept: list[Choice],
-            free: np.ndarray) -> list[tuple[Choice, Choice, list[Cut]]]:
+def _blends(problem: Problem, relaxed: np.ndarray, kept: list[Choice], free: np.ndarray,
+            weigh: Callable[[Cut], Choice]) -> list[Choice]:
     """Cuts between two neighbouring kept cuts A and B (B the higher peak) whose estimated
-    peaks differ by more than `BLEND_GAP` of the ladder's span: before a layer point the
-    values B saves free to save, from it on those A saves, the rest at the highest price.
-    The later the point, the more is saved as B saves it, so spaced points (at most
-    `BLEND_SPLITS` per gap) give the budgets between A and B plans of their own. Per gap:
-    A, B and its cuts. Only those estimated inside (A, B), and not about as high as
-    either (`SAME_PEAK`), are weighed: the ladder's own cuts stay (an 8-layer MLP's blend
-    estimated 1.6% above budget 0's cut and cheaper took its place, and compiled 1.09x
-    higher on an H100). `free`: the layer boundaries (`boundaries.py`)."""
-    starts = [int(g[0]) for g in layer_points(problem, free)][1:] if len(free) else []
-    if not starts or len(kept) < 2:
+    peaks differ by more than `BLEND_STEP`: before a layer point s the values B saves free
+    to save, from s on those A saves, the rest at the highest price. The later s, the more
+    is saved as B saves it. Neighbouring rungs differ in a run of layers (a price flips a
+    few at a time), so only the points inside the run where A and B differ are tried, by
+    bisection: the blend at the middle point is weighed (`weigh`), and each half is split
+    again while its ends' peaks still differ by more than `BLEND_STEP`. About log2 of the
+    run's points per gap, more where the gap is wide. Only blends estimated inside (A, B),
+    and not about as high as either (`SAME_PEAK`), are kept: the ladder's own cuts stay (an
+    8-layer MLP's blend estimated 1.6% above budget 0's cut and cheaper took its place, and
+    compiled 1.09x higher on an H100). `free`: the layer boundaries (`boundaries.py`)."""
+    starts = np.asarray([int(g[0]) for g in layer_points(problem, free)][1:] if len(free) else [], np.int64)
+    if not len(starts) or len(kept) < 2:
         return []
-    span = kept[-1].peak - kept[0].peak
     position = problem.position
-    gaps = []
+    out: list[Choice] = []
     for a, b in zip(kept, kept[1:]):
-        splits = min(int((b.peak - a.peak) / (BLEND_GAP * span)), BLEND_SPLITS, len(starts))
-        if splits < 1:
-            continue
         pa, pb = (np.asarray(sorted(position[v] for v in c.cut.saved if v in position), np.int64) for c in (a, b))
-        cuts = []
-        for k in range(1, splits + 1):
-            s = starts[round(k * (len(starts) - 1) / (splits + 1))]
-            cuts += _priced(problem, relaxed, np.concatenate([pb[pb < s], pa[pa >= s]]), PRICES[-1:])
-        gaps.append((a, b, cuts))
-    return gaps
+        differ = np.setxor1d(pa, pb)
+        if not len(differ):
+            continue
+        points = starts[(starts > differ[0]) & (starts <= differ[-1])]
+        inside = (a.peak * (1 + SAME_PEAK), b.peak * (1 - SAME_PEAK))
+        spans = [(0, len(points), a.peak, b.peak)]  # points[lo:hi] lie between cuts peaking at low and high
+        while spans:
+            lo, hi, low, high = spans.pop()
+            if lo >= hi or high <= low * (1 + BLEND_STEP):
+                continue
+            mid = (lo + hi) // 2
+            s = points[mid]
+            c = weigh(_priced(problem, relaxed, np.concatenate([pb[pb < s], pa[pa >= s]]), PRICES[-1:])[0])
+            if inside[0] < c.peak < inside[1]:
+                out.append(c)
+            peak = min(max(c.peak, low), high)
+            spans += [(lo, mid, low, peak), (mid + 1, hi, peak, high)]
+    return out
 
 
 def kept_of(found: list[Choice]) -> list[Choice]:
