@@ -316,7 +316,12 @@ def _weigh(problem: Problem, stacked: bool, blend: bool) -> tuple[list[Choice], 
     kept = kept_of(found)
     if not blend:
         return found, kept
-    more = _blends(problem, relaxed, kept, free, lambda cut: _choice(problem, cut, relaxed, stacked, seen))
+    blends = _blends(problem, relaxed, kept, free, lambda cut: _choice(problem, cut, relaxed, stacked, seen))
+    listed, more = {id(c) for c in found}, []  # a blend may be a cut found before, or found twice
+    for c in blends:
+        if id(c) not in listed:
+            listed.add(id(c))
+            more.append(c)
     return (found + more, kept_of(found + more)) if more else (found, kept)
 
 
