@@ -60,3 +60,18 @@ def test_blends_leave_the_ends_of_the_ladder(monkeypatch):
     without = budget.choices(Problem.priced(graph))
     for end in (0, -1):
         assert with_blends[end].cut.saved == without[end].cut.saved
+
+
+def test_blends_fill_the_run_where_two_rungs_differ():
+    """GPT-2 small (12 layers, D=768, B8 x 1024) planned for an H100. Blends were first made at
+    up to three points spaced over the whole model; here those fell in a layer's middle (a
+    dominated blend) or past the run of layers where the two rungs differ (the higher rung
+    again), so no rung was estimated between 8.45 and 10.61 GB, and `plan.fit("10GB")`
+    compiled a plan of 8.27 GB where one of 9.93 GB fits (docs/planning.md). Bisecting the
+    points inside that run places rungs there, each cheaper than the one below."""
+    w = build("gpt", "gpt", dict(batch=8, seq=1024, d_model=768, heads=12, layers=12, vocab=50304))
+    steps = budget.choices(Problem.priced(_planned_for_h100(w.loss_fn, w.params, w.batch)))
+    inside = [c for c in steps if 8.6e9 < c.peak < 10.5e9]
+    assert inside, [round(c.peak / 1e9, 3) for c in steps]
+    for low, high in zip(steps, steps[1:]):
+        assert high.peak > low.peak and high.cheaper_than(low), (low.peak, high.peak)
