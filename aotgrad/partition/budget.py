@@ -51,12 +51,9 @@ The candidates:
   those saved less than nearly everything.)
 - Blends fill what is left between them (`_blends`): where two neighbouring kept cuts'
   estimated peaks differ by more than `BLEND_STEP`, the layers before a layer point saved
-  as the higher one saves them and the rest as the lower one does, split again until no
-  two neighbours differ by more. Without them an 8-layer stack written otherwise than the
-  GPT had no candidate between 4.9 and 8.7 GB on an H100, and budgets 0.5, 0.3 and 0.2
-  gave one plan; and on GPT-2 small on an H100 no plan compiled between 8.27 and 10.33 GB
-  or 12.62 and 14.18 GB, so the byte limits 10GB and 14GB landed at 0.83x and 0.90x of
-  themselves (docs/partitioner.md).
+  as the higher one saves them and the rest as the lower one does. Without them budgets
+  0.5, 0.3 and 0.2 gave one plan on an 8-layer stack written otherwise than the GPT, and
+  `plan.fit` landed 10 GB at 8.27 on GPT-2 small on an H100 (docs/partitioner.md).
 
 A budget in bytes (`Bytes`, "12GB") is the limit itself: the cheapest candidate whose
 estimated step peak is at most that many bytes; if none is, `BudgetUnreachable` names the
@@ -317,25 +314,20 @@ def _weigh(problem: Problem, stacked: bool, blend: bool) -> tuple[list[Choice], 
     if not blend:
         return found, kept
     blends = _blends(problem, relaxed, kept, free, lambda cut: _choice(problem, cut, relaxed, stacked, seen))
-    listed, more = {id(c) for c in found}, []  # a blend may be a cut found before, or found twice
-    for c in blends:
-        if id(c) not in listed:
-            listed.add(id(c))
-            more.append(c)
+    known = {id(c) for c in found}  # a blend may be a cut found before, or found twice
+    more = list({id(c): c for c in blends if id(c) not in known}.values())
     return (found + more, kept_of(found + more)) if more else (found, kept)
 
 
 def _blends(problem: Problem, relaxed: np.ndarray, kept: list[Choice], free: np.ndarray,
             weigh: Callable[[Cut], Choice]) -> list[Choice]:
-    """Cuts between two neighbouring kept cuts A and B (B the higher peak) whose estimated
-    peaks differ by more than `BLEND_STEP`: before a layer point s the values B saves free
-    to save, from s on those A saves, the rest at the highest price. The later s, the more
-    is saved as B saves it. Neighbouring rungs differ in a run of layers (a price flips a
-    few at a time), so only the points inside the run where A and B differ are tried, by
-    bisection: the blend at the middle point is weighed (`weigh`), and each half is split
-    again while its ends' peaks still differ by more than `BLEND_STEP`. About log2 of the
-    run's points per gap, more where the gap is wide. Only blends estimated inside (A, B),
-    and not about as high as either (`SAME_PEAK`), are kept: the ladder's own cuts stay (an
+    """Cuts between neighbouring kept cuts A and B (B the higher) whose estimated peaks
+    differ by more than `BLEND_STEP`: before a layer point s the values B saves free to
+    save, from s on those A saves, the rest at the highest price. Neighbouring rungs differ
+    in a run of layers (a price flips a few at a time), so the points inside that run are
+    bisected: the blend at the middle one is weighed (`weigh`), each half split again while
+    its ends' peaks differ by more than `BLEND_STEP`. Only blends estimated inside (A, B),
+    not about as high as either (`SAME_PEAK`), are kept: the ladder's own cuts stay (an
     8-layer MLP's blend estimated 1.6% above budget 0's cut and cheaper took its place, and
     compiled 1.09x higher on an H100). `free`: the layer boundaries (`boundaries.py`)."""
     starts = np.asarray([int(g[0]) for g in layer_points(problem, free)][1:] if len(free) else [], np.int64)
