@@ -1,5 +1,5 @@
 """How the step-peak estimate ranks the cuts a budget weighs, against the compiler: every
-candidate a budget weighs (`budget.weighed`, the blends too) on one workload, lowest
+candidate a budget weighs (`budget.ladder_of`, the blends too) on one workload, lowest
 estimate first, with its estimated per-device peak, and the lowest `--compile` of them
 compiled for the target (XLA's `memory_analysis()` peak, per device, inputs included).
 
@@ -23,7 +23,7 @@ from typing import Any, Callable
 import jax
 
 import aotgrad
-from aotgrad.partition.budget import Choice, weighed
+from aotgrad.partition.budget import Choice, ladder_of
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import Problem
 from aotgrad.targets import resolve as resolve_target
@@ -49,7 +49,8 @@ class _Candidates:
     def __call__(self, graph: JointGraph, budget: Any) -> dict:
         if not self.where:
             self.where = _positions(graph)
-            self.all, self.kept = weighed(Problem.priced(graph))
+            steps = ladder_of(Problem.priced(graph))
+            self.all, self.kept = steps.found, steps.kept
         cut = (self.pick or self.all[0]).cut
         return {_value_at(graph, self.where[v]): "picked" for v in cut.saved}
 

@@ -10,10 +10,7 @@ takes the cheapest candidate whose estimated peak is at most P0 + b x (P1 - P0).
 budget just below 1 is the cheapest cut where it is the only candidate (P0 = P1: small
 graphs), else the candidate just below it; the cheapest cut itself is then reached by a
 byte budget only. It recomputes cheap work and waits for its cotangent (`schedule.py`)
-for a lower peak, at a cost in bytes the model does not see. (Spanning up to budget 1's
-estimate instead would reach it, but that estimate counts every value the backward reads,
-far more than XLA keeps in the fused step: on GPT-2 small compiled for an H100 the
-cheapest cut peaks above the fused step, so the peak would rise as the budget falls.)
+for a lower peak, at a cost in bytes the model does not see.
 
 The candidates:
 - A knapsack over individual values would ignore that recomputing one value changes what
@@ -29,36 +26,22 @@ The candidates:
   and at the highest price with only every second layer point free (a block's input, not
   also its middle: fewer checkpoints, a whole block recomputed at once).
 - The cuts with every second point free once more with the loss head free to save too
-  (`boundaries.head`; every point where there are too few for that), on devices where
-  that was measured to pay (`DeviceProfile.keeps_loss_head`: GPUs): each block
-  checkpointed once, the logits kept rather than recomputed, as `jax.checkpoint` on each
-  layer leaves them. Where the backward is a program of its own (an eager call), the
-  saved head is held for the whole backward; in a jitted step (`JointGraph.staged`) XLA
-  frees it once the head's gradient is made, and so does the estimate. A GPT with D=1024,
-  whose peak is in a layer's backward, keeps it at budget 0 in a jitted step; on GPT-2
-  small XLA merges the recomputed logits' matmul with the forward's (`schedule._head`),
-  and budget 0 is the same step with or without these cuts (docs/benchmarks.md). (With every
-  point free as well as the head, 8 data-parallel H100s peaked 1.4x higher.)
+  (`boundaries.head`), on devices where that was measured to pay
+  (`DeviceProfile.keeps_loss_head`: GPUs): each block checkpointed once, the logits kept,
+  as `jax.checkpoint` on each layer leaves them (docs/partitioner.md, "loss head").
 - The shapes of the checkpoint policies: every matmul output (`dots_saveable`) or those
   without batch dimensions (`dots_with_no_batch_dims_saveable`) free to save, with no
   layer point, every one or every second free beside them (`policy_points`), each with
-  and without the loss head free where the device keeps it: the rest of each layer is
-  recomputed from them. Pricing alone never finds these: they save more bytes than the
-  cuts of the same cost. GPT-2 small on an H100: budget 0.18 takes the second, within
-  1.02x of that policy's peak, bytes and FLOPs; the scanned GPT-2 small, budget 0.36.
-  (Without the head they are the policies' own shapes: on the held-out stacks, where
-  the backward reads few boundaries and the head found spans most of the model, only
-  those saved less than nearly everything.)
+  and without the loss head: the rest of each layer is recomputed from them. Pricing
+  alone never finds these: they save more bytes than the cuts of the same cost.
 - Blends fill what is left between them (`_blends`): where two neighbouring kept cuts'
   estimated peaks differ by more than `BLEND_STEP`, the layers before a layer point saved
-  as the higher one saves them and the rest as the lower one does. Without them budgets
-  0.5, 0.3 and 0.2 gave one plan on an 8-layer stack written otherwise than the GPT, and
-  `plan.fit` landed 10 GB at 8.27 on GPT-2 small on an H100 (docs/partitioner.md).
+  as the higher one saves them and the rest as the lower one does (docs/partitioner.md).
 
 A budget in bytes (`Bytes`, "12GB") is the limit itself: the cheapest candidate whose
-estimated step peak is at most that many bytes; if none is, `BudgetUnreachable` names the
-lowest estimated peak. Peaks are per device: a sharded step's values count at their size
-on one device (`shards.py`).
+estimated step peak is at most that many bytes, its gap of the ladder blended finer
+(`Ladder.near`); if none is, `BudgetUnreachable` names the lowest estimated peak. Peaks
+are per device: a sharded step's values count at their size on one device (`shards.py`).
 
 Only candidates that are cheaper to run than every candidate with a lower estimated peak,
 and save no fewer bytes, are kept (`choices`): the estimated peak, the saved bytes and the
@@ -93,8 +76,8 @@ from aotgrad.partition.traffic import traffic as step_traffic
 if TYPE_CHECKING:  # min_cut imports this module where it meets a budget
     from aotgrad.partition.min_cut import Cut, Problem
 
-__all__ = ["GREEDY_STEPS", "PRICES", "Choice", "candidates", "choices", "kept_of", "ladder", "matmul_outputs",
-           "policy_points", "step_programs", "weighed", "within_budget"]
+__all__ = ["GREEDY_STEPS", "PRICES", "Choice", "Ladder", "choices", "kept_of", "ladder", "ladder_of", "matmul_outputs",
+           "policy_points", "step_programs", "within_budget"]
 
 
 # Extra cost per saved byte, in the cost model's units (a byte moved costs 1 or 2).
@@ -112,6 +95,8 @@ GREEDY_STEPS = 12
 # (`_blends`), each gap split again while its ends still do. Gaps stay where no blend is
 # cheaper than the cut below it (GPT-2 small on an H100: 8.45 to 10.09 GB estimated).
 BLEND_STEP = 0.04
+# A byte budget's gap of the ladder is blended down to this (`Ladder.near`): nearer its limit.
+FINE_STEP = 0.01
 COARSER_POINTS = (2,)  # layer points kept free besides every one: every second
 
 
@@ -205,10 +190,8 @@ def policy_points(free: np.ndarray, spaced: list[np.ndarray]) -> list[np.ndarray
     """The layer points free to save beside the matmul outputs in the policies' shapes:
     none (the policy's own shape: what a matmul output does not give is recomputed from
     the layer's input, saved at its price, or in a scan body carried), every point, every
-    second point. With every point free, a transformer block's body also saved its
-    residual stream after attention beside the projection's output it is recomputed from
-    (one activation more per layer: a scanned GPT-2 small peaked 1.046x
-    `dots_with_no_batch_dims_saveable`'s peak on an H100, and no budget met it)."""
+    second point. (With every point free, a scanned GPT-2 small's body saved its residual
+    stream beside the projection it is recomputed from: 1.046x the no-batch policy's peak.)"""
     return [free[:0], free, *spaced]
 
 
@@ -257,13 +240,6 @@ class Choice:
         return self.cost < other.cost
 
 
-def candidates(problem: Problem, stacked: bool = False) -> list[Choice]:
-    """Every distinct cut a budget weighs (`ladder`, then `_with_boundaries`), the
-    cheapest first, each with its estimated step peak (saved bytes for a scan body:
-    `stacked`) and cost."""
-    return _weigh(problem, stacked, blend=False)[0]
-
-
 def _estimated(problem: Problem, cuts: list[Cut], relaxed: np.ndarray, stacked: bool,
                seen: dict[frozenset, Choice]) -> list[Choice]:
     """The distinct cuts among `cuts` not in `seen` (saved sets, updated), as `Choice`s."""
@@ -285,51 +261,75 @@ def _choice(problem: Problem, cut: Cut, relaxed: np.ndarray, stacked: bool, seen
     return seen[key]
 
 
-def choices(problem: Problem, stacked: bool = False) -> list[Choice]:
-    """The candidates a budget chooses from (of `candidates`), by estimated peak from lowest
+def choices(problem: Problem, stacked: bool = False, near: float | None = None) -> list[Choice]:
+    """The candidates a budget chooses from (of `ladder_of`'s), by estimated peak from lowest
     to highest (the cheapest cut last): each cheaper to run and saving no fewer bytes than
     the one before, so that the step's peak, the saved bytes and the speed all rise with
     the budget. The cheapest cut is always kept. Where two neighbours' peaks lie far apart,
     blends of the two fill the gap (`_blends`). `stacked`: the graph is a scan body. Its
     saved values are stacked over the iterations and outweigh one iteration's working set,
     so there the saved bytes stand for the peak, and the scan's own schedule
-    (`scan_levels.scan_schedule`) is built on them too."""
-    return weighed(problem, stacked)[1]
+    (`scan_levels.scan_schedule`) is built on them too. `near`: a byte budget's limit, whose
+    gap is blended finely (`Ladder.near`)."""
+    steps = ladder_of(problem, stacked)
+    return steps.kept if near is None else steps.near(near)
 
 
-def weighed(problem: Problem, stacked: bool = False) -> tuple[list[Choice], list[Choice]]:
-    """Every candidate a budget weighs (`candidates`, then the blends) and the ladder kept
-    of them (`choices`)."""
-    return _weigh(problem, stacked, blend=not stacked)
+@dataclasses.dataclass(frozen=True)
+class Ladder:
+    """The candidates weighed on one graph (`found`), the ladder kept of them, and `fill`:
+    the blends strictly between two kept rungs, bisected to `FINE_STEP` (None: a scan body)."""
+    found: list[Choice]
+    kept: list[Choice]
+    fill: Callable[[Choice, Choice], list[Choice]] | None
+
+    def near(self, limit: float) -> list[Choice]:
+        """The kept ladder, the gap `limit` falls in filled (`fill`) for a byte budget, which
+        `plan.fit` checks by compiling: finer than the estimate's ~2% noise (`SAME_PEAK`) that
+        a fraction's steps keep. Each rung stays cheaper than the one below."""
+        steps = self.kept
+        i = sum(1 for c in steps if c.peak <= limit) - 1
+        if self.fill is None or not 0 <= i < len(steps) - 1:
+            return steps
+        low, high = steps[i], steps[i + 1]
+        chain = [low]
+        for c in sorted(self.fill(low, high), key=lambda c: (c.peak, c.cost)):
+            if c.peak > chain[-1].peak and c.cheaper_than(chain[-1]) and chain[-1].saved <= c.saved <= high.saved \
+                    and high.cheaper_than(c):
+                chain.append(c)
+        return steps[:i] + chain + steps[i + 1:]
 
 
-def _weigh(problem: Problem, stacked: bool, blend: bool) -> tuple[list[Choice], list[Choice]]:
-    """The candidates, with the blends if `blend`, and the ladder kept of them."""
+def ladder_of(problem: Problem, stacked: bool = False) -> Ladder:
+    """The candidates (`ladder`, `_with_boundaries`; blends too outside scan bodies), each
+    with its estimated step peak (saved bytes for a scan body: `stacked`) and cost, and
+    the ladder kept of them."""
     relaxed = problem.recompute_costs(allow_costly=True)
     free = boundaries(problem)
     seen: dict[frozenset, Choice] = {}  # by saved set: each estimated once, the blends' too
     found = _estimated(problem, ladder(problem, relaxed) + _with_boundaries(problem, relaxed, stacked, free),
                        relaxed, stacked, seen)
     kept = kept_of(found)
-    if not blend:
-        return found, kept
-    blends = _blends(problem, relaxed, kept, free, lambda cut: _choice(problem, cut, relaxed, stacked, seen))
+    if stacked:
+        return Ladder(found, kept, None)
+    weigh = lambda cut: _choice(problem, cut, relaxed, stacked, seen)  # noqa: E731
+    blends = _blends(problem, relaxed, kept, free, weigh, BLEND_STEP, SAME_PEAK)
     known = {id(c) for c in found}  # a blend may be a cut found before, or found twice
     more = list({id(c): c for c in blends if id(c) not in known}.values())
-    return (found + more, kept_of(found + more)) if more else (found, kept)
+    fill = lambda a, b: _blends(problem, relaxed, [a, b], free, weigh, FINE_STEP, 0.0)  # noqa: E731
+    return Ladder(found + more, kept_of(found + more), fill) if more else Ladder(found, kept, fill)
 
 
 def _blends(problem: Problem, relaxed: np.ndarray, kept: list[Choice], free: np.ndarray,
-            weigh: Callable[[Cut], Choice]) -> list[Choice]:
+            weigh: Callable[[Cut], Choice], step: float, same: float) -> list[Choice]:
     """Cuts between neighbouring kept cuts A and B (B the higher) whose estimated peaks
-    differ by more than `BLEND_STEP`: before a layer point s the values B saves free to
+    differ by more than `step` (`BLEND_STEP`): before a layer point s the values B saves free to
     save, from s on those A saves, the rest at the highest price. Neighbouring rungs differ
     in a run of layers (a price flips a few at a time), so the points inside that run are
     bisected: the blend at the middle one is weighed (`weigh`), each half split again while
-    its ends' peaks differ by more than `BLEND_STEP`. Only blends estimated inside (A, B),
-    not about as high as either (`SAME_PEAK`), are kept: the ladder's own cuts stay (an
-    8-layer MLP's blend estimated 1.6% above budget 0's cut and cheaper took its place, and
-    compiled 1.09x higher on an H100). `free`: the layer boundaries (`boundaries.py`)."""
+    its ends' peaks differ by more than `step`. Only blends estimated inside (A, B),
+    not about as high as either (within `same`), are kept: the ladder's own cuts stay
+    (tests/test_blends.py). `free`: the layer boundaries (`boundaries.py`)."""
     starts = np.asarray([int(g[0]) for g in layer_points(problem, free)][1:] if len(free) else [], np.int64)
     if not len(starts) or len(kept) < 2:
         return []
@@ -341,11 +341,11 @@ def _blends(problem: Problem, relaxed: np.ndarray, kept: list[Choice], free: np.
         if not len(differ):
             continue
         points = starts[(starts > differ[0]) & (starts <= differ[-1])]
-        inside = (a.peak * (1 + SAME_PEAK), b.peak * (1 - SAME_PEAK))
+        inside = (a.peak * (1 + same), b.peak * (1 - same))
         spans = [(0, len(points), a.peak, b.peak)]  # points[lo:hi] lie between cuts peaking at low and high
         while spans:
             lo, hi, low, high = spans.pop()
-            if lo >= hi or high <= low * (1 + BLEND_STEP):
+            if lo >= hi or high <= low * (1 + step):
                 continue
             mid = (lo + hi) // 2
             s = points[mid]
@@ -358,7 +358,7 @@ def _blends(problem: Problem, relaxed: np.ndarray, kept: list[Choice], free: np.
 
 
 def kept_of(found: list[Choice]) -> list[Choice]:
-    """The ladder `choices` keeps of `candidates`' list (the cheapest cut first)."""
+    """The ladder `choices` keeps of the candidates `ladder_of` found (the cheapest cut first)."""
     cheapest, *rest = found
     kept: list[Choice] = []
     floor = 0.0  # the lowest peak among candidates about as low as kept[-1]'s
@@ -386,7 +386,7 @@ def within_budget(problem: Problem, budget: Budget, stacked: bool = False) -> di
         if estimate(step_programs(top := problem.top_cut(stacked))) <= budget.n:
             return problem.top_reasons(top, stacked)
     with collector_paused():
-        steps = choices(problem, stacked)
+        steps = choices(problem, stacked, budget.n if isinstance(budget, Bytes) else None)
     low, high = steps[0].peak, steps[-1].peak
     if isinstance(budget, Bytes):
         if low > budget.n:

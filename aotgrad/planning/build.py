@@ -14,7 +14,7 @@ from aotgrad.api import compile as aot_compile
 from aotgrad.config import config
 from aotgrad.devices import profile_of
 from aotgrad.errors import BudgetUnreachable, ConfigError
-from aotgrad.planning.land import has_scan, levels
+from aotgrad.planning.land import Levels, has_scan, levels
 from aotgrad.planning.measure import Measured, estimate_step_s, measure
 from aotgrad.planning.place import Placed, place
 from aotgrad.planning.steps import Step, is_nnx_module, optimizer_specs
@@ -145,8 +145,8 @@ def plan(fn: Callable[..., Any], *args: Any, target: Any = "h100", devices: int 
             return row("aotgrad", limit)
         except BudgetUnreachable:
             return None
-    # After the first trace: the levels of a step with no scan (the same at every limit), or None.
-    first: list[list[int] | None] = []
+    # After the first trace: the levels of a step with no scan (one ladder at every limit), or None.
+    first: list[Levels | None] = []
 
     def joint_graph(budget: Any) -> Any:
         with config.patch(activation_memory_budget=budget):
@@ -161,10 +161,10 @@ def plan(fn: Callable[..., Any], *args: Any, target: Any = "h100", devices: int 
             graph = joint_graph(1.0)
             first.append(None if has_scan(graph.closed.jaxpr) else levels(graph))
         if first[0] is not None:
-            return first[0]
+            return first[0](limit)
         for budget in (f"{limit}B", 0.0):  # bytes, also where `limit` is 1 (as a fraction: budget 1)
             try:
-                return levels(joint_graph(budget))
+                return levels(joint_graph(budget))(limit)
             except BudgetUnreachable:
                 continue
         raise AssertionError("budget 0 is always reachable")

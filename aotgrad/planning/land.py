@@ -28,12 +28,12 @@ from jax.extend.core import Jaxpr
 
 from aotgrad.collector import collector_paused
 from aotgrad.interpret import sub_jaxprs
-from aotgrad.partition.budget import choices, step_programs
+from aotgrad.partition.budget import ladder_of, step_programs
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import Problem
 from aotgrad.partition.peak import estimate
 
-__all__ = ["Landing", "has_scan", "land", "levels", "setting"]
+__all__ = ["Landing", "Levels", "has_scan", "land", "levels", "setting"]
 
 
 class Step(Protocol):
@@ -47,15 +47,28 @@ class Landing:
     tried: tuple[tuple[str, Step], ...]
 
 
-def levels(graph: JointGraph) -> list[int]:
-    """The estimated peaks a byte budget chooses between on `graph`, lowest first: its
-    ladder's candidates (`budget.choices`) and budget 1's plan, which a byte budget takes
-    when it admits its estimate (`budget.within_budget`)."""
-    problem = Problem.priced(graph)
-    with collector_paused():
-        ladder = [c.peak for c in choices(problem)]
-    highest = estimate(step_programs(problem.top_cut(stacked=False)))  # as `within_budget` weighs it
-    return sorted({p for p in ladder if p < highest}) + [highest]  # above it, budget 1's plan
+class Levels:
+    """The estimated peaks a byte budget chooses between on one graph, at a limit
+    (`levels(graph)(limit)`), lowest first: the ladder's candidates, the gap the limit falls
+    in blended finer (`budget.Ladder.near`, as the byte budget weighs it), and budget 1's
+    plan, which a byte budget takes when it admits its estimate (`budget.within_budget`).
+    The ladder is built once per graph."""
+
+    def __init__(self, graph: JointGraph) -> None:
+        problem = Problem.priced(graph)
+        with collector_paused():
+            self._ladder = ladder_of(problem)
+        self._highest = estimate(step_programs(problem.top_cut(stacked=False)))  # as `within_budget` weighs it
+
+    def __call__(self, limit: int) -> list[int]:
+        with collector_paused():
+            steps = self._ladder.near(limit)
+        return sorted({c.peak for c in steps if c.peak < self._highest}) + [self._highest]  # then budget 1's plan
+
+
+def levels(graph: JointGraph) -> Levels:
+    """The levels of `graph` (`Levels`), its ladder built."""
+    return Levels(graph)
 
 
 def has_scan(jaxpr: Jaxpr) -> bool:
