@@ -294,9 +294,10 @@ def test_fit_lands_just_under_the_limit_where_a_plan_does():
     here at a byte budget inside its range. For each limit, where one of them peaks in
     [0.95 x limit, limit], `fit` returns a step peaking in that range, or a lower one that
     moves fewer bytes still, never one moving more bytes than any there. (Below that range it
-    may miss a plan that moves fewer bytes: it searches for the highest that fits.) The limit 720 KB catches a search that compiles the byte budget
-    `limit` itself (as `fit` did): its estimate takes the plan that peaks at 672 KB, though
-    a plan at 689 KB fits and moves fewer bytes."""
+    may miss a plan that moves fewer bytes: it searches for the highest that fits.) The limit
+    720 KB catches a search that compiles the byte budget `limit` itself (as `fit` did): its
+    estimate takes the plan that peaks at 672 KB, though a plan at 689 KB fits and moves fewer
+    bytes. The levels of each limit's gap, blended finer, are searched too."""
     from aotgrad.planning.land import setting
     from aotgrad.planning.measure import xla_peak
     from benchmarks.workloads import gpt
@@ -309,7 +310,8 @@ def test_fit_lands_just_under_the_limit_where_a_plan_does():
         with aotgrad.config.patch(activation_memory_budget=setting(low, ([*levels, float("inf")])[i + 1])):
             c = jax.jit(jax.value_and_grad(aotgrad.compile(loss))).lower(params, batch).compile()
         cost = c.cost_analysis()
-        compiled.append((xla_peak(c.memory_analysis()), (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]))
+        cost = cost[0] if isinstance(cost, list) else cost
+        compiled.append((xla_peak(c.memory_analysis()), cost["bytes accessed"]))
     peaks = sorted(p for p, _ in compiled)
     searchable = set(levels)  # every level of every limit's gap blended finer, too
     for limit in [720_000] + [int(p / 0.97) for p in peaks] + [(a + b) // 2 for a, b in zip(peaks, peaks[1:])]:
@@ -503,3 +505,30 @@ def test_landing_looks_past_a_step_that_misses_by_a_hair(above, tries_next):
     peaks = [step.peak_bytes for _, step in tried]
     assert peaks[:2] == [290, above]
     assert (299 in peaks) is tries_next
+
+
+def test_landing_searches_the_finer_levels_between_the_two_steps_around_the_limit():
+    """The estimate sits above the compiled peak (here by 100 bytes), so the limit's own gap
+    of estimates is not where its compiled peak falls. Once 200 fits and 300 does not,
+    the levels `finer` blends between them (250, 270) are searched: 270 compiles to 170 and
+    fits the limit of 180 best; without `finer` the landing stops at 200's 100."""
+    from aotgrad.planning.land import land
+
+    @dataclasses.dataclass(frozen=True)
+    class Step:
+        peak_bytes: int
+
+    coarse = [100, 200, 300, 400]
+    fine = {200: [100, 200, 250, 270, 300, 400]}
+    asked = []
+
+    def finer(p):
+        asked.append(p)
+        return fine.get(p, coarse)
+
+    def compile_at(text):
+        return Step(int(text.rstrip("B")) - 100)
+
+    peaks = [step.peak_bytes for _, step in land(180, coarse, compile_at, finer).tried]
+    assert asked == [200] and max(p for p in peaks if p <= 180) == 170, peaks
+    assert max(p for _, s in land(180, coarse, compile_at).tried if (p := s.peak_bytes) <= 180) == 100

@@ -19,8 +19,8 @@ from aotgrad.partition.min_cut import min_cut
 from aotgrad.partition.scan import BodyTrace, partition_scans
 from aotgrad.partition.split import Program, Split, split, without_cotangents
 
-__all__ = ["PARTITIONERS", "JointGraph", "Registration", "Split", "partition", "partitioners", "plans_staged",
-           "register_partitioner", "scan_rules", "split", "without_cotangents"]
+__all__ = ["PARTITIONERS", "JointGraph", "Program", "Registration", "Split", "partition", "partitioners",
+           "plans_staged", "register_partitioner", "scan_rules", "split", "without_cotangents"]
 
 # (graph, activation_memory_budget) -> {saved value: reason}
 Strategy = Callable[[JointGraph, Budget], dict[Var, str]]

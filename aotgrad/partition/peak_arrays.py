@@ -16,7 +16,6 @@ GPU's programs are estimated there).
 from __future__ import annotations
 
 import weakref
-from typing import Sequence
 
 import numpy as np
 from jax.extend.core import Var

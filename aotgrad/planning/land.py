@@ -15,7 +15,9 @@ rises with the candidates (nearly always: the estimate orders them). So `land` s
 the candidates by bisection for the highest one whose compiled peak fits, compiling about
 log2(candidates) steps (and the next ones while a step misses the limit by under 1%:
 neighbouring plans can compile alike), and names it by the shortest size in its range of
-byte budgets (`setting`: "7.7GB", which a user can write).
+byte budgets (`setting`: "7.7GB", which a user can write). A byte budget blends the gap of
+the ladder it falls in finer (`budget.Ladder.near`), so once the two plans around the limit
+are compiled, the blends between them are searched the same way.
 """
 from __future__ import annotations
 
@@ -94,15 +96,35 @@ def setting(low: int, high: float) -> str:
     return f"{low}B"
 
 
-def land(limit: int, peaks: Sequence[int], compile_at: Callable[[str], Step]) -> Landing:
+def land(limit: int, peaks: Sequence[int], compile_at: Callable[[str], Step],
+         finer: Callable[[int], Sequence[int]] | None = None) -> Landing:
     """Bisects the estimated `peaks` (`levels`, lowest first) for the highest one whose
     step, compiled at that byte budget by `compile_at`, peaks at most `limit`. Assumes the
     compiled peak rises with the estimate; where it does not, a fitting step is still
     found if the lowest fits. Where the compiled peaks level off (neighbouring plans that
     XLA places alike), the step just above the highest that fits may miss the limit by a
     hair while a higher one fits and moves fewer bytes: while the step above misses by at
-    most `PLATEAU`, the next is tried too."""
+    most `PLATEAU`, the next is tried too.
+
+    `finer(p)`: the levels with the gap the estimate `p` falls in blended finer (`Levels`).
+    The estimate is off the compiled peak (on 8 H100s with FSDP by ~0.6 GB), so the gap of
+    the limit's own estimate need not be the one its compiled peak falls in: once the two
+    levels around the limit are known by compiling, the levels `finer` finds between them
+    are searched too."""
     tried: list[tuple[str, Step]] = []
+    fits, over = _search(limit, peaks, compile_at, tried)
+    if finer is not None and 0 <= fits and fits + 1 == over < len(peaks):
+        inner = [p for p in finer(peaks[fits]) if peaks[fits] < p < peaks[over]]
+        if inner:
+            _search(limit, [peaks[fits], *inner, peaks[over]], compile_at, tried, known=(0, len(inner) + 1))
+    return Landing(tuple(tried))
+
+
+def _search(limit: int, peaks: Sequence[int], compile_at: Callable[[str], Step], tried: list[tuple[str, Step]],
+            known: tuple[int, int] | None = None) -> tuple[int, int]:
+    """`land`'s bisection over `peaks`, the steps compiled appended to `tried`: the highest
+    index that fits and the lowest above it that does not (-1 and len(peaks) where none is
+    known; the same where the compiler does not say its peak). `known`: those two already."""
     compiled: dict[int, int | None] = {}  # per index tried, its compiled peak
 
     def fits_at(k: int) -> bool | None:
@@ -113,20 +135,21 @@ def land(limit: int, peaks: Sequence[int], compile_at: Callable[[str], Step]) ->
         compiled[k] = step.peak_bytes
         return None if step.peak_bytes is None else step.peak_bytes <= limit
 
-    fits, over = -1, len(peaks)  # highest index known to fit, lowest known not to
     start = sum(1 for p in peaks if p <= limit) - 1  # what the byte budget `limit` takes
-    k = min(max(start, 0), len(peaks) - 1)
+    fits, over = known or (-1, len(peaks))  # highest index known to fit, lowest known not to
+    k = min(max(start, fits + 1), over - 1)
     while fits + 1 < over:
         fit = fits_at(k)
         if fit is None:
-            return Landing(tuple(tried))  # the compiler does not say its peak: nothing to land on
+            return -1, len(peaks)  # the compiler does not say its peak: nothing to land on
         if fit:
             fits = k
         else:
             over = k
         k = (fits + over) // 2
-    while over + 1 < len(peaks) and (compiled[over] or 0) <= limit * (1 + PLATEAU):
+    bracket = fits, over
+    while over + 1 < len(peaks) and compiled.get(over, math.inf) <= limit * (1 + PLATEAU):
         over += 1  # it missed by a hair: the next may fit
         if fits_at(over) is None:
             break
-    return Landing(tuple(tried))
+    return bracket

@@ -93,7 +93,7 @@ class Plan:
         fits = [r for r in rows if r.peak_bytes is not None and r.peak_bytes <= n]
         fused_fits = any(r.strategy == "fused" for r in fits)
         if not fused_fits and self.compile_budget is not None and self.levels is not None:
-            for _, extra in land(n, self.levels(n), self._compiled_at).tried:
+            for _, extra in land(n, self.levels(n), self._compiled_at, finer=self.levels).tried:
                 rows.append(extra)
                 if extra.peak_bytes is not None and extra.peak_bytes <= n:
                     fits.append(extra)
