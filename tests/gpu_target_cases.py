@@ -620,10 +620,10 @@ def test_a_fused_kernel_holds_what_it_reads_on_the_h100(monkeypatch):
     one H100: XLA:GPU runs a reduction over the last axis in one kernel with the elementwise
     work around it, which holds the reduction's input until it writes
     (`peak._held_by_kernels`). Estimated so, budget 0 checkpoints each block once, as
-    `nothing_saveable` does, and peaks within 1.02x of the policy's peak (172.02 against 169.92 MB, jax 0.12.0.1). Estimated with what the chain
-    reads freed at its last reader inside it, a softmax's backward held one (B, H, T, T)
-    buffer fewer than XLA, and budget 0 took the cut that checkpoints each half block:
-    184.60 MB, 1.086x the policy's."""
+    `nothing_saveable` does, and peaks within 1.02x of the policy's peak (172.02 against
+    169.92 MB, jax 0.12.0.1). Estimated with what the chain reads freed at its last reader
+    inside it, a softmax's backward held one (B, H, T, T) buffer fewer than XLA, and budget
+    0 took the cut that checkpoints each half block: 184.60 MB, 1.086x the policy's."""
     from aotgrad.partition import peak
     sizes = dict(batch=2, seq=1024, d_model=256, heads=4, layers=6)
     policy = _h100_row("stack", sizes, "checkpoint:nothing_saveable").peak
