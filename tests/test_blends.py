@@ -98,3 +98,18 @@ def test_a_byte_budget_blends_its_own_gap_finer(graph):
             reasons = budget.within_budget(problem, Bytes(high.peak - 1))
             assert any(f"estimated step peak {inside[-1].peak:,} bytes" in r for r in reasons.values())
     assert refined >= 2, [round(c.peak / 1e6) for c in steps.kept]
+
+
+def test_each_gap_is_blended_once_however_often_a_limit_falls_in_it(graph, monkeypatch):
+    """`plan.fit` asks for a limit's levels and again for the gap its compiled peak falls
+    in; every ask of one gap reuses its blends (each blend solves the min cut again)."""
+    steps = budget.ladder_of(Problem.priced(graph))
+    calls = []
+    real = budget._blends
+    monkeypatch.setattr(budget, "_blends", lambda *a: calls.append(a) or real(*a))
+    low, high = steps.kept[0], steps.kept[1]
+    first = steps.near(high.peak - 1)
+    assert steps.near(low.peak) == first and steps.near((low.peak + high.peak) / 2) == first
+    assert len(calls) == 1
+    steps.near(steps.kept[2].peak - 1)  # another gap: blended on its own
+    assert len(calls) == 2

@@ -338,9 +338,9 @@ def test_fit_traces_the_step_once_unless_a_scan_is_cut_at_the_limit(kind, monkey
     from aotgrad.planning import build, land
     from benchmarks import workloads
     traced, ladders = [], []
-    monkeypatch.setattr(build, "levels", lambda graph, real=build.levels: traced.append(graph) or real(graph))
+    monkeypatch.setattr(build, "Levels", lambda graph, real=build.Levels: traced.append(graph) or real(graph))
     real = budget.ladder_of
-    for module in (budget, land):  # the ladder, built by `levels` or while tracing at a byte budget
+    for module in (budget, land):  # the ladder, built by `Levels` or while tracing at a byte budget
         monkeypatch.setattr(module, "ladder_of", lambda *a, **k: ladders.append(a) or real(*a, **k))
     w = workloads.build(kind, kind, dict(batch=2, seq=16, d_model=16, heads=2, layers=2, vocab=32))
     plan = aotgrad.plan(w.loss_fn, w.params, w.batch, target="cpu", budgets=[])

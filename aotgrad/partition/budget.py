@@ -43,15 +43,14 @@ estimated step peak is at most that many bytes, its gap of the ladder blended fi
 (`Ladder.near`); if none is, `BudgetUnreachable` names the lowest estimated peak. Peaks
 are per device: a sharded step's values count at their size on one device (`shards.py`).
 
-Only candidates that are cheaper to run than every candidate with a lower estimated peak,
-and save no fewer bytes, are kept (`choices`): the estimated peak, the saved bytes and the
-speed all rise with the budget. Cheaper: by the min cut's per-value costs, or where the
-device says so (`DeviceProfile.ranks_by_traffic`: GPUs) by the bytes the whole step is
-estimated to move (`traffic.py`: a saved value read by several kernels costs each read).
+Only candidates cheaper to run than every candidate with a lower estimated peak, and saving
+no fewer bytes, are kept (`choices`): estimated peak, saved bytes and speed rise with the
+budget. Cheaper: by the min cut's per-value costs, or where the device says so
+(`DeviceProfile.ranks_by_traffic`: GPUs) by the bytes the whole step is estimated to move
+(`traffic.py`: a saved value read by several kernels costs each read).
 
-A scan extends its body's ladder below "save only the carries" (`scan_levels`): the
-carry is saved every k-th iteration and the backward recomputes each segment of k
-iterations from its checkpoint (nested remat, k up to about sqrt(n)).
+A scan extends its body's ladder below "save only the carries" (`scan_levels`): the carry
+saved every k-th iteration, each segment of k recomputed from it (k up to about sqrt(n)).
 """
 from __future__ import annotations
 
@@ -278,10 +277,11 @@ def choices(problem: Problem, stacked: bool = False, near: float | None = None) 
 @dataclasses.dataclass(frozen=True)
 class Ladder:
     """The candidates weighed on one graph (`found`), the ladder kept of them, and `fill`:
-    the blends strictly between two kept rungs, bisected to `FINE_STEP` (None: a scan body)."""
+    the blends strictly between kept rungs i and i + 1, bisected to `FINE_STEP`, each gap
+    once (None: a scan body)."""
     found: list[Choice]
     kept: list[Choice]
-    fill: Callable[[Choice, Choice], list[Choice]] | None
+    fill: Callable[[int], list[Choice]] | None
 
     def near(self, limit: float) -> list[Choice]:
         """The kept ladder, the gap `limit` falls in filled (`fill`) for a byte budget, which
@@ -293,7 +293,7 @@ class Ladder:
             return steps
         low, high = steps[i], steps[i + 1]
         chain = [low]
-        for c in sorted(self.fill(low, high), key=lambda c: (c.peak, c.cost)):
+        for c in sorted(self.fill(i), key=lambda c: (c.peak, c.cost)):
             if c.peak > chain[-1].peak and c.cheaper_than(chain[-1]) and chain[-1].saved <= c.saved <= high.saved \
                     and high.cheaper_than(c):
                 chain.append(c)
@@ -309,15 +309,15 @@ def ladder_of(problem: Problem, stacked: bool = False) -> Ladder:
     seen: dict[frozenset, Choice] = {}  # by saved set: each estimated once, the blends' too
     found = _estimated(problem, ladder(problem, relaxed) + _with_boundaries(problem, relaxed, stacked, free),
                        relaxed, stacked, seen)
-    kept = kept_of(found)
     if stacked:
-        return Ladder(found, kept, None)
+        return Ladder(found, kept_of(found), None)
     weigh = lambda cut: _choice(problem, cut, relaxed, stacked, seen)  # noqa: E731
-    blends = _blends(problem, relaxed, kept, free, weigh, BLEND_STEP, SAME_PEAK)
+    blends = _blends(problem, relaxed, kept := kept_of(found), free, weigh, BLEND_STEP, SAME_PEAK)
     known = {id(c) for c in found}  # a blend may be a cut found before, or found twice
-    more = list({id(c): c for c in blends if id(c) not in known}.values())
-    fill = lambda a, b: _blends(problem, relaxed, [a, b], free, weigh, FINE_STEP, 0.0)  # noqa: E731
-    return Ladder(found + more, kept_of(found + more), fill) if more else Ladder(found, kept, fill)
+    if more := list({id(c): c for c in blends if id(c) not in known}.values()):
+        found, kept = found + more, kept_of(found + more)
+    return Ladder(found, kept, functools.cache(lambda i: _blends(problem, relaxed, kept[i:i + 2], free, weigh,
+                                                                 FINE_STEP, 0.0)))
 
 
 def _blends(problem: Problem, relaxed: np.ndarray, kept: list[Choice], free: np.ndarray,

@@ -14,7 +14,7 @@ from aotgrad.api import compile as aot_compile
 from aotgrad.config import config
 from aotgrad.devices import profile_of
 from aotgrad.errors import BudgetUnreachable, ConfigError
-from aotgrad.planning.land import Levels, has_scan, levels
+from aotgrad.planning.land import Levels, has_scan
 from aotgrad.planning.measure import Measured, estimate_step_s, measure
 from aotgrad.planning.place import Placed, place
 from aotgrad.planning.steps import Step, is_nnx_module, optimizer_specs
@@ -159,12 +159,12 @@ def plan(fn: Callable[..., Any], *args: Any, target: Any = "h100", devices: int 
         1 (the fused step's plan: no ladder is built while tracing), its levels kept."""
         if not first:
             graph = joint_graph(1.0)
-            first.append(None if has_scan(graph.closed.jaxpr) else levels(graph))
+            first.append(None if has_scan(graph.closed.jaxpr) else Levels(graph))
         if first[0] is not None:
             return first[0](limit)
         for budget in (f"{limit}B", 0.0):  # bytes, also where `limit` is 1 (as a fraction: budget 1)
             try:
-                return levels(joint_graph(budget))(limit)
+                return Levels(joint_graph(budget))(limit)
             except BudgetUnreachable:
                 continue
         raise AssertionError("budget 0 is always reachable")

@@ -35,7 +35,7 @@ from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.min_cut import Problem
 from aotgrad.partition.peak import estimate
 
-__all__ = ["Landing", "Levels", "has_scan", "land", "levels", "setting"]
+__all__ = ["Landing", "Levels", "has_scan", "land", "setting"]
 
 
 class Step(Protocol):
@@ -51,7 +51,7 @@ class Landing:
 
 class Levels:
     """The estimated peaks a byte budget chooses between on one graph, at a limit
-    (`levels(graph)(limit)`), lowest first: the ladder's candidates, the gap the limit falls
+    (`Levels(graph)(limit)`), lowest first: the ladder's candidates, the gap the limit falls
     in blended finer (`budget.Ladder.near`, as the byte budget weighs it), and budget 1's
     plan, which a byte budget takes when it admits its estimate (`budget.within_budget`).
     The ladder is built once per graph."""
@@ -66,11 +66,6 @@ class Levels:
         with collector_paused():
             steps = self._ladder.near(limit)
         return sorted({c.peak for c in steps if c.peak < self._highest}) + [self._highest]  # then budget 1's plan
-
-
-def levels(graph: JointGraph) -> Levels:
-    """The levels of `graph` (`Levels`), its ladder built."""
-    return Levels(graph)
 
 
 def has_scan(jaxpr: Jaxpr) -> bool:

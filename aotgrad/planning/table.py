@@ -72,7 +72,7 @@ class Plan:
     rows: tuple[Row, ...]
     # Compiles the aotgrad step at one more budget (fit's byte budget); None: not offered.
     compile_budget: Callable[[Any], Row | None] | None = dataclasses.field(default=None, compare=False, repr=False)
-    # The estimated peaks a byte budget chooses between (`land.levels`), traced at a limit.
+    # The estimated peaks a byte budget chooses between (`land.Levels`), traced at a limit.
     levels: Callable[[int], list[int]] | None = dataclasses.field(default=None, compare=False, repr=False)
     # fit's extra rows by byte budget setting, so asking twice compiles once.
     _extra: dict[str, Row] = dataclasses.field(default_factory=dict, compare=False, repr=False)
