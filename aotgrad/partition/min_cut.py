@@ -32,6 +32,9 @@ __all__ = ["Cut", "Problem", "min_cut"]
 
 _INF = 2 ** 30  # larger than any finite cut: scipy's max-flow takes int32 capacities
 _FINITE_TOTAL = 2 ** 28  # finite capacities are scaled to sum to at most this
+# Equations XLA emits as a bitcast of their operand's buffer (row-major layouts): a reshape
+# of an input is a view of an array held the whole step, so recomputing it writes nothing.
+_VIEWS = frozenset({P.reshape_p, P.squeeze_p})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -73,12 +76,15 @@ class Problem:
         needed = set()
         operands = set()  # forward values a backward matmul reads
         widened: set[Var] = set()  # values computed from 16-bit floats widened to 32 bits
+        views = set(graph.inputs)  # inputs and their reshapes: held all step, never written again
         for i, eqn in enumerate(graph.eqns):
             if graph.is_backward_eqn(eqn):  # its forward inputs must be available there
                 needed.update(position[v] for v in _vars(eqn.invars) if v in position)
                 if kind_of(eqn) in (Kind.COSTLY, Kind.UNSAFE):
-                    operands.update(position[v] for v in _vars(eqn.invars) if v in position)
+                    operands.update(position[v] for v in _vars(eqn.invars) if v in position and v not in views)
                 continue
+            if eqn.primitive in _VIEWS and eqn.invars[0] in views:  # a stacked weight cut into segments
+                views.update(_vars(eqn.outvars))
             if _from_widened(eqn, widened):
                 widened.update(_vars(eqn.outvars))
             if not any(v in dependent for v in _vars(eqn.outvars)):
@@ -98,7 +104,7 @@ class Problem:
                 if v in position:
                     reads_v.append(position[v])
                     reads_e.append(e)
-                    if kinds[e] in (Kind.COSTLY, Kind.UNSAFE):
+                    if kinds[e] in (Kind.COSTLY, Kind.UNSAFE) and v not in views:
                         written[position[v]] = True  # a matmul operand is materialized
         for k in range(len(values)):
             if kinds[producer[k]] not in (Kind.CHEAP, Kind.MOVE):
