@@ -470,7 +470,7 @@ def test_a_budget_meets_dots_with_no_batch_dims_saveable_at_gpt2_widths(monkeypa
 
 def test_a_budget_meets_dots_saveable_at_gpt2_widths(monkeypatch):
     """The 4-layer GPT at GPT-2 small's widths, one H100: budget 0.5 (its range is 0.483-0.578;
-    above it blends with the cheapest cut, `budget._blends`) saves the attention
+    above it blends with the cheapest cut, `blends.between`) saves the attention
     scores and recomputes their softmax in the backward, the shape of
     `jax.checkpoint(dots_saveable)` on each layer, and is within 1.02x of that policy's
     peak, bytes and FLOPs (1.00x each). Either of two things gets it there: the H100's

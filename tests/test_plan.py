@@ -324,6 +324,8 @@ def test_fit_lands_just_under_the_limit_where_a_plan_does():
         if landed:  # in that range, or lower and moving fewer bytes still
             assert row.bytes_moved <= min(landed), (limit, row, compiled)
             assert row.peak_bytes >= 0.95 * limit or row.bytes_moved < min(landed), (limit, row, compiled)
+    for level in list(searchable):  # and the gaps around each level (`land`'s `finer`)
+        searchable.update(plan.levels(level))
     assert len(plan.searched) <= len(searchable)  # each setting compiled once over all the limits
 
 

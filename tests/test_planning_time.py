@@ -58,7 +58,7 @@ def test_each_saved_set_is_estimated_once(monkeypatch: pytest.MonkeyPatch, under
     choices(Problem.priced(problem.graph))
     assert len(_candidates(problem)) > len(distinct)  # the ladder does repeat itself here
     names = [sorted_names(saved) for saved in estimated]
-    assert len(names) == len(set(names))  # the blends (`budget._blends`) too
+    assert len(names) == len(set(names))  # the blends (`blends.between`) too
     assert set(map(sorted_names, distinct)) <= set(names)
 
 

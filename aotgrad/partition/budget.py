@@ -34,7 +34,7 @@ The candidates:
   layer point, every one or every second free beside them (`policy_points`), each with
   and without the loss head: the rest of each layer is recomputed from them. Pricing
   alone never finds these: they save more bytes than the cuts of the same cost.
-- Blends fill what is left between them (`_blends`): where two neighbouring kept cuts'
+- Blends fill what is left between them (`blends.py`): where two neighbouring kept cuts'
   estimated peaks differ by more than `BLEND_STEP`, the layers before a layer point saved
   as the higher one saves them and the rest as the lower one does (docs/partitioner.md).
 
@@ -65,6 +65,7 @@ from jax.extend.core import Var
 from aotgrad.collector import collector_paused
 from aotgrad.errors import BudgetUnreachable
 from aotgrad.partition.budget_value import Budget, Bytes
+from aotgrad.partition import blends
 from aotgrad.partition.boundaries import boundaries, head, layer_points
 from aotgrad.partition.fusion import Programs, programs
 from aotgrad.partition.order import ordered
@@ -91,7 +92,7 @@ SAME_TRAFFIC = 0.005
 # twice the cuts to solve and estimate, every ladder kept on the suites' models was the same.
 GREEDY_STEPS = 12
 # Neighbouring kept cuts whose estimated peaks differ by more than this ratio are blended
-# (`_blends`), each gap split again while its ends still do. Gaps stay where no blend is
+# (`blends.between`), each gap split again while its ends still do. Gaps stay where no blend is
 # cheaper than the cut below it (GPT-2 small on an H100: 8.45 to 10.09 GB estimated).
 BLEND_STEP = 0.04
 # A byte budget's gap of the ladder is blended down to this (`Ladder.near`): nearer its limit.
@@ -265,7 +266,7 @@ def choices(problem: Problem, stacked: bool = False, near: float | None = None) 
     to highest (the cheapest cut last): each cheaper to run and saving no fewer bytes than
     the one before, so that the step's peak, the saved bytes and the speed all rise with
     the budget. The cheapest cut is always kept. Where two neighbours' peaks lie far apart,
-    blends of the two fill the gap (`_blends`). `stacked`: the graph is a scan body. Its
+    blends of the two fill the gap (`blends.between`). `stacked`: the graph is a scan body. Its
     saved values are stacked over the iterations and outweigh one iteration's working set,
     so there the saved bytes stand for the peak, and the scan's own schedule
     (`scan_levels.scan_schedule`) is built on them too. `near`: a byte budget's limit, whose
@@ -277,8 +278,8 @@ def choices(problem: Problem, stacked: bool = False, near: float | None = None) 
 @dataclasses.dataclass(frozen=True)
 class Ladder:
     """The candidates weighed on one graph (`found`), the ladder kept of them, and `fill`:
-    the blends strictly between kept rungs i and i + 1, bisected to `FINE_STEP`, each gap
-    once (None: a scan body)."""
+    the blends strictly between kept rungs i and i + 1 (`blends.finer`, to `FINE_STEP`),
+    each gap once (None: a scan body)."""
     found: list[Choice]
     kept: list[Choice]
     fill: Callable[[int], list[Choice]] | None
@@ -312,49 +313,13 @@ def ladder_of(problem: Problem, stacked: bool = False) -> Ladder:
     if stacked:
         return Ladder(found, kept_of(found), None)
     weigh = lambda cut: _choice(problem, cut, relaxed, stacked, seen)  # noqa: E731
-    blends = _blends(problem, relaxed, kept := kept_of(found), free, weigh, BLEND_STEP, SAME_PEAK)
+    solve = lambda positions: _priced(problem, relaxed, positions, PRICES[-1:])[0]  # noqa: E731
+    made = blends.between(problem, kept := kept_of(found), free, weigh, solve, BLEND_STEP, SAME_PEAK)
     known = {id(c) for c in found}  # a blend may be a cut found before, or found twice
-    if more := list({id(c): c for c in blends if id(c) not in known}.values()):
+    if more := list({id(c): c for c in made if id(c) not in known}.values()):
         found, kept = found + more, kept_of(found + more)
-    return Ladder(found, kept, functools.cache(lambda i: _blends(problem, relaxed, kept[i:i + 2], free, weigh,
-                                                                 FINE_STEP, 0.0)))
-
-
-def _blends(problem: Problem, relaxed: np.ndarray, kept: list[Choice], free: np.ndarray,
-            weigh: Callable[[Cut], Choice], step: float, same: float) -> list[Choice]:
-    """Cuts between neighbouring kept cuts A and B (B the higher) whose estimated peaks
-    differ by more than `step` (`BLEND_STEP`): before a layer point s the values B saves free to
-    save, from s on those A saves, the rest at the highest price. Neighbouring rungs differ
-    in a run of layers (a price flips a few at a time), so the points inside that run are
-    bisected: the blend at the middle one is weighed (`weigh`), each half split again while
-    its ends' peaks differ by more than `step`. Only blends estimated inside (A, B),
-    not about as high as either (within `same`), are kept: the ladder's own cuts stay
-    (tests/test_blends.py). `free`: the layer boundaries (`boundaries.py`)."""
-    starts = np.asarray([int(g[0]) for g in layer_points(problem, free)][1:] if len(free) else [], np.int64)
-    if not len(starts) or len(kept) < 2:
-        return []
-    position = problem.position
-    out: list[Choice] = []
-    for a, b in zip(kept, kept[1:]):
-        pa, pb = (np.asarray(sorted(position[v] for v in c.cut.saved if v in position), np.int64) for c in (a, b))
-        differ = np.setxor1d(pa, pb)
-        if not len(differ):
-            continue
-        points = starts[(starts > differ[0]) & (starts <= differ[-1])]
-        inside = (a.peak * (1 + same), b.peak * (1 - same))
-        spans = [(0, len(points), a.peak, b.peak)]  # points[lo:hi] lie between cuts peaking at low and high
-        while spans:
-            lo, hi, low, high = spans.pop()
-            if lo >= hi or high <= low * (1 + step):
-                continue
-            mid = (lo + hi) // 2
-            s = points[mid]
-            c = weigh(_priced(problem, relaxed, np.concatenate([pb[pb < s], pa[pa >= s]]), PRICES[-1:])[0])
-            if inside[0] < c.peak < inside[1]:
-                out.append(c)
-            peak = min(max(c.peak, low), high)
-            spans += [(lo, mid, low, peak), (mid + 1, hi, peak, high)]
-    return out
+    return Ladder(found, kept, functools.cache(lambda i: blends.finer(problem, kept[i], kept[i + 1], free, weigh,
+                                                                      solve, FINE_STEP)))
 
 
 def kept_of(found: list[Choice]) -> list[Choice]:

@@ -1,0 +1,95 @@
+"""Blends: cuts between two neighbouring rungs of the budget's ladder (`budget.py`), where
+the ladder's own candidates leave a wide step.
+
+Neighbouring rungs A (the lower estimated peak) and B differ in a run of layers: a price
+flips a few values at a time. `between` saves what B saves before a layer point and what
+A saves from it on (the rest at the highest price), bisecting the points inside that run.
+
+A byte budget's own gap (`Ladder.near`), which `plan.fit` checks by compiling, goes finer
+(`finer`): where two neighbouring cuts of the gap differ inside one layer, it also saves
+what the lower saves with the higher's extra values less its largest ones. One value can
+hold most of a layer's step: GPT-2 small's attention probabilities (403 MB per device
+on 8 H100s with FSDP, of the 450 MB between two plans compiled at 13.57 and 14.02 GB).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from aotgrad.partition.boundaries import layer_points
+
+if TYPE_CHECKING:
+    from aotgrad.partition.budget import Choice
+    from aotgrad.partition.min_cut import Cut, Problem
+
+__all__ = ["between", "finer"]
+
+# Two cuts differing in at most this many values differ inside one layer (a GPT layer
+# saves 10-20 values); each blend of theirs is one more min cut to solve.
+LAYER_VALUES = 24
+
+Weigh = Callable[["Cut"], "Choice"]  # a cut as a weighed candidate (`budget._choice`)
+Solve = Callable[[np.ndarray], "Cut"]  # the cut with the values at these positions free to save
+
+
+def _positions(problem: Problem, c: Choice) -> np.ndarray:
+    position = problem.position
+    return np.asarray(sorted(position[v] for v in c.cut.saved if v in position), np.int64)
+
+
+def between(problem: Problem, kept: list[Choice], free: np.ndarray, weigh: Weigh, solve: Solve,
+            step: float, same: float) -> list[Choice]:
+    """Cuts between neighbouring cuts A and B of `kept` (B the higher) whose estimated peaks
+    differ by more than `step`: before a layer point s the values B saves free to save, from
+    s on those A saves. The points inside the run where A and B differ are bisected: the
+    blend at the middle one is weighed, each half split again while its ends' peaks differ
+    by more than `step`. Only blends estimated inside (A, B), not about as high as either
+    (within `same`), are kept: the ladder's own cuts stay (tests/test_blends.py). `free`:
+    the layer boundaries (`boundaries.py`)."""
+    starts = np.asarray([int(g[0]) for g in layer_points(problem, free)][1:] if len(free) else [], np.int64)
+    if not len(starts) or len(kept) < 2:
+        return []
+    out: list[Choice] = []
+    for a, b in zip(kept, kept[1:]):
+        pa, pb = _positions(problem, a), _positions(problem, b)
+        differ = np.setxor1d(pa, pb)
+        if not len(differ):
+            continue
+        points = starts[(starts > differ[0]) & (starts <= differ[-1])]
+        inside = (a.peak * (1 + same), b.peak * (1 - same))
+        spans = [(0, len(points), a.peak, b.peak)]  # points[lo:hi] lie between cuts peaking at low and high
+        while spans:
+            lo, hi, low, high = spans.pop()
+            if lo >= hi or high <= low * (1 + step):
+                continue
+            mid = (lo + hi) // 2
+            s = points[mid]
+            c = weigh(solve(np.concatenate([pb[pb < s], pa[pa >= s]])))
+            if inside[0] < c.peak < inside[1]:
+                out.append(c)
+            peak = min(max(c.peak, low), high)
+            spans += [(lo, mid, low, peak), (mid + 1, hi, peak, high)]
+    return out
+
+
+def finer(problem: Problem, low: Choice, high: Choice, free: np.ndarray, weigh: Weigh, solve: Solve,
+          step: float) -> list[Choice]:
+    """Cuts estimated strictly between `low` and `high`: their blends at layer points
+    (`between`), then, for each two neighbours among those cuts whose peaks differ by more
+    than `step` and whose saved values differ in at most `LAYER_VALUES`, the lower's saved
+    values with the higher's extra ones less the j largest, for every j."""
+    found = between(problem, [low, high], free, weigh, solve, step, 0.0)
+    out = list(found)
+    chain = sorted([low, *found, high], key=lambda c: c.peak)
+    for a, b in zip(chain, chain[1:]):
+        pa, pb = _positions(problem, a), _positions(problem, b)
+        extra = np.setdiff1d(pb, pa)
+        if b.peak <= a.peak * (1 + step) or len(np.setxor1d(pa, pb)) > LAYER_VALUES:
+            continue
+        extra = extra[np.argsort(-problem.nbytes[extra], kind="stable")]  # largest first
+        for j in range(1, len(extra)):
+            c = weigh(solve(np.union1d(pa, extra[j:])))
+            if low.peak < c.peak < high.peak:
+                out.append(c)
+    return out
