@@ -33,11 +33,6 @@ Weigh = Callable[["Cut"], "Choice"]  # a cut as a weighed candidate (`budget._ch
 Solve = Callable[[np.ndarray], "Cut"]  # the cut with the values at these positions free to save
 
 
-def _positions(problem: Problem, c: Choice) -> np.ndarray:
-    position = problem.position
-    return np.asarray(sorted(position[v] for v in c.cut.saved if v in position), np.int64)
-
-
 def between(problem: Problem, kept: list[Choice], free: np.ndarray, weigh: Weigh, solve: Solve,
             step: float, same: float) -> list[Choice]:
     """Cuts between neighbouring cuts A and B of `kept` (B the higher) whose estimated peaks
@@ -52,7 +47,7 @@ def between(problem: Problem, kept: list[Choice], free: np.ndarray, weigh: Weigh
         return []
     out: list[Choice] = []
     for a, b in zip(kept, kept[1:]):
-        pa, pb = _positions(problem, a), _positions(problem, b)
+        pa, pb = a.cut.positions, b.cut.positions
         differ = np.setxor1d(pa, pb)
         if not len(differ):
             continue
@@ -83,10 +78,10 @@ def finer(problem: Problem, low: Choice, high: Choice, free: np.ndarray, weigh: 
     out = list(found)
     chain = sorted([low, *found, high], key=lambda c: c.peak)
     for a, b in zip(chain, chain[1:]):
-        pa, pb = _positions(problem, a), _positions(problem, b)
-        extra = np.setdiff1d(pb, pa)
+        pa, pb = a.cut.positions, b.cut.positions
         if b.peak <= a.peak * (1 + step) or len(np.setxor1d(pa, pb)) > LAYER_VALUES:
             continue
+        extra = np.setdiff1d(pb, pa)
         extra = extra[np.argsort(-problem.nbytes[extra], kind="stable")]  # largest first
         for j in range(1, len(extra)):
             c = weigh(solve(np.union1d(pa, extra[j:])))

@@ -136,9 +136,7 @@ def _greedy(problem: Problem, start: Cut, relaxed: np.ndarray) -> list[Cut]:
 
 def _runtime_cost(cut: Cut, relaxed: np.ndarray) -> float:
     """Traffic for saving plus the cost of every recomputed equation."""
-    problem = cut.problem
-    saved = [problem.position[v] for v in cut.saved if v in problem.position]
-    return float(problem.save_costs[saved].sum() + relaxed[list(cut.recomputed)].sum())
+    return float(cut.problem.save_costs[cut.positions].sum() + relaxed[list(cut.recomputed)].sum())
 
 
 def _priced(problem: Problem, relaxed: np.ndarray, free: np.ndarray | None = None,

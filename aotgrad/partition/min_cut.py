@@ -83,7 +83,7 @@ class Problem:
                 if kind_of(eqn) in (Kind.COSTLY, Kind.UNSAFE):
                     operands.update(position[v] for v in _vars(eqn.invars) if v in position and v not in views)
                 continue
-            if eqn.primitive in _VIEWS and eqn.invars[0] in views:  # a stacked weight cut into segments
+            if eqn.primitive in _VIEWS and eqn.invars[0] in views:  # e.g. a scan's stacked weights in segments
                 views.update(_vars(eqn.outvars))
             if _from_widened(eqn, widened):
                 widened.update(_vars(eqn.outvars))
@@ -320,6 +320,12 @@ class Cut:
         in_cut[d.numbers(self.cut)] = True
         values = self.problem.value_ids
         return tuple(inputs + [self.problem.values[k] for k in np.flatnonzero(in_cut[values] & read[values])])
+
+    @functools.cached_property
+    def positions(self) -> np.ndarray:
+        """Positions (in `problem.values`) of the saved forward values, sorted: inputs have none."""
+        position = self.problem.position
+        return np.asarray(sorted(position[v] for v in self.saved if v in position), np.int64)
 
     @functools.cached_property
     def activation_bytes(self) -> int:
