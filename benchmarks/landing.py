@@ -80,7 +80,15 @@ def main(argv: list[str] | None = None) -> None:
     target = jax.devices()[:args.devices] if args.target == "local" else args.target
     plan = aotgrad.plan(w.loss_fn, *shapes, target=target, devices=args.devices, sharding=args.sharding,
                         budgets=[])
-    rows = []
+    rows: list[dict[str, Any]] = []
+
+    def result() -> dict[str, Any]:
+        return {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {platform.node()}",
+                "command": "python -m benchmarks.landing " + " ".join(sys.argv[1:] if argv is None else argv),
+                "target": plan.target, "devices": args.devices, "sharding": args.sharding,
+                "workload": args.workload, "sizes": sizes, "versions": plan.versions,
+                "fused": _row(plan.rows[0]), "rows": rows, "seconds": round(time.time() - started),
+                "compiled": {k: _row(v) for k, v in plan.searched.items()}}
     for limit in args.limits.split(","):
         n = parse_bytes(limit)
         try:
@@ -90,16 +98,10 @@ def main(argv: list[str] | None = None) -> None:
         asked = plan.searched.get(limit) or plan.compile_budget(limit)  # the byte budget's own step
         rows.append({"limit": limit, "limit_bytes": n, "fit": landed, "byte_budget": _row(asked)})
         print(f"{limit}: fit {landed}  byte budget {_row(asked)}", flush=True)
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {platform.node()}",
-              "command": "python -m benchmarks.landing " + " ".join(sys.argv[1:] if argv is None else argv),
-              "target": plan.target, "devices": args.devices, "sharding": args.sharding,
-              "workload": args.workload, "sizes": sizes, "versions": plan.versions,
-              "fused": _row(plan.rows[0]), "rows": rows, "seconds": round(time.time() - started),
-              "compiled": {k: _row(v) for k, v in plan.searched.items()}}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    print(table(result))
+        if args.out:  # after each limit: a run stopped partway keeps the limits it finished
+            with open(args.out, "w") as f:
+                json.dump(result(), f, indent=1)
+    print(table(result()))
 
 
 if __name__ == "__main__":

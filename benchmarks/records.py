@@ -49,8 +49,13 @@ def _cpu_model() -> str | None:
 
 
 def machine_info() -> dict[str, Any]:
-    return {"platform": platform.platform(), "machine": platform.machine(), "cpu_model": _cpu_model(),
-            "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
+    import jax
+    out = {"platform": platform.platform(), "machine": platform.machine(), "cpu_model": _cpu_model(),
+           "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
+    devices = jax.devices()
+    if devices[0].platform != "cpu":  # the accelerator the steps ran on, e.g. "NVIDIA H200"
+        out["accelerator"] = f"{len(devices)} x {devices[0].device_kind}"
+    return out
 
 
 def versions() -> dict[str, str | None]:

@@ -110,7 +110,8 @@ def load_run(path: pathlib.Path, root: pathlib.Path = ROOT) -> Run:
     suite = _field(_field(data, "suite", shown), "path", f"{shown}: suite")
     backend = _field(data, "backend", shown)
     overhead = data.get("overhead") or {}
-    return Run(shown, path.stem, f"suite {suite} on {backend}", f"Suite `{suite}` on {backend}", **common,
+    where = common["machine"].get("accelerator") or backend  # "1 x NVIDIA H200" where the run names it
+    return Run(shown, path.stem, f"suite {suite} on {backend}", f"Suite `{suite}` on {where}", **common,
                seconds=_field(data, "total_seconds", shown),
                rows=tuple(_record(Row, r, f"{shown}: rows[{i}]") for i, r in enumerate(rows)),
                overhead=tuple(_record(OverheadRow, r, f"{shown}: overhead.rows[{i}]")

@@ -92,6 +92,8 @@ def _pick_line(workload: str, p: Pick | None, target: bool) -> str:
 def _machine(run: Run) -> str:
     m = run.machine
     text = f"{m.get('cpu_model') or m.get('machine')}, {m.get('cpu_count')} CPUs, {m.get('platform')}"
+    if m.get("accelerator"):
+        text = f"{m['accelerator']}; {text}"
     before, after = m.get("loadavg_before"), m.get("loadavg_after")
     if before and after:
         text += f"; load average (1 min) {before[0]:.2f} before, {after[0]:.2f} after"
@@ -107,8 +109,8 @@ def _versions(run: Run) -> str:
 
 def run_line(run: Run) -> str:
     """Date, machine and jax version in a line, for a doc that quotes the run."""
-    return f"{run.date[:10]}, {run.machine.get('cpu_count')}-core {run.machine.get('cpu_model')}, " \
-           f"jax {run.versions.get('jax')}"
+    where = run.machine.get("accelerator") or f"{run.machine.get('cpu_count')}-core {run.machine.get('cpu_model')}"
+    return f"{run.date[:10]}, {where}, jax {run.versions.get('jax')}"
 
 
 def _section(run: Run) -> list[str]:

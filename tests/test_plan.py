@@ -16,6 +16,7 @@ import jax
 import pytest
 
 from aotgrad import targets
+from aotgrad.planning.table import COST_TIE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -283,10 +284,25 @@ def test_fit_never_returns_a_row_over_the_limit():
         n = limit if isinstance(limit, int) else 10 ** 12
         assert row.peak_bytes <= n
         fitting = [r for r in plan.rows if r.peak_bytes <= n]
-        assert not fitting or row.bytes_moved <= min(r.bytes_moved for r in fitting)
+        assert not fitting or row.bytes_moved <= (1 + COST_TIE) * min(r.bytes_moved for r in fitting)
     with pytest.raises(aotgrad.DoesNotFit, match="no step fits in 1,000 bytes per device on 1 x cpu"):
         plan.fit("1KB")
     assert plan.fit(plan.rows[0].peak_bytes).strategy == "fused"
+
+
+def test_fit_takes_the_highest_peak_among_steps_moving_about_the_fewest_bytes():
+    """Bytes moved within `COST_TIE` of the fewest are one cost, and the step saving the most
+    of them (the highest peak under the limit) is taken: on a real H200 the 14 GB limit took a
+    12.13 GB step moving 108.85 GB where a 13.74 GB one moved 109.48. A step moving more than
+    that is not taken for its higher peak."""
+    from aotgrad.planning.table import Plan, Row
+
+    def row(budget, peak, moved):
+        return Row("fused" if budget is None else "aotgrad", budget, peak, moved, 1.0, None, 0.0)
+    rows = (row(None, 100, 50.0), row("a", 50, 100.0), row("b", 60, 100.9), row("c", 70, 101.2))
+    plan = Plan("cpu", 1, "dp", {}, rows)
+    assert plan.fit(80).budget == "b"  # "a" moves the fewest; "c" moves 1.2% more
+    assert plan.fit(55).budget == "a" and plan.fit(100).strategy == "fused"
 
 
 def test_fit_lands_just_under_the_limit_where_a_plan_does():
@@ -322,7 +338,7 @@ def test_fit_lands_just_under_the_limit_where_a_plan_does():
         assert row.peak_bytes <= limit, (limit, row, compiled)
         landed = [moved for p, moved in compiled if 0.95 * limit <= p <= limit]
         if landed:  # in that range, or lower and moving fewer bytes still
-            assert row.bytes_moved <= min(landed), (limit, row, compiled)
+            assert row.bytes_moved <= (1 + COST_TIE) * min(landed), (limit, row, compiled)
             assert row.peak_bytes >= 0.95 * limit or row.bytes_moved < min(landed), (limit, row, compiled)
     for level in list(searchable):  # and the gaps around each level (`land`'s `finer`)
         searchable.update(plan.levels(level))
