@@ -40,6 +40,20 @@ def test_each_suite_and_target_has_one_results_file_with_its_command() -> None:
         assert r.machine.get("cpu_count") and r.versions.get("jax") and r.date[:4].isdigit()
 
 
+def test_a_run_on_an_accelerator_names_it_in_its_title_and_machine(tmp_path: pathlib.Path) -> None:
+    """A suite run on a GPU is titled by the device it ran on, not only "gpu" (the backend),
+    and its machine line names it; a run on the host names none."""
+    from benchmarks.records import machine_info
+    assert "accelerator" not in machine_info()  # these tests run on the host's CPU
+    data = json.loads((RESULTS_DIR / "cpu.json").read_text())
+    data["backend"], data["machine"]["accelerator"] = "gpu", "1 x NVIDIA H200"
+    (tmp_path / "gpu_run.json").write_text(json.dumps(data))
+    run = load_run(tmp_path / "gpu_run.json")
+    assert run.title.endswith("on 1 x NVIDIA H200")
+    assert "- machine: 1 x NVIDIA H200; " in "\n".join(results_page._section(run))
+    assert results_page.run_line(run).startswith(f"{run.date[:10]}, 1 x NVIDIA H200, jax ")
+
+
 def _measured_outside_markers(text: str) -> list[str]:
     """The measured numbers in `text` outside markers, code blocks and inline code."""
     text = CODE.sub("", FENCE.sub("", results_page.MARKER.sub("", text)))
