@@ -242,8 +242,9 @@ def _loadavg() -> tuple[float, float, float] | None:
 
 def run_suite(suite: suite_mod.Suite, *, workloads: Sequence[str] | None = None,
               strategies: Sequence[str] | None = None, repeats: int | None = None,
-              peers: bool = False) -> RunResult:
-    """Runs `suite` (optionally filtered); progress and failures go to stderr."""
+              peers: bool = False, done: Callable[[RunResult], None] | None = None) -> RunResult:
+    """Runs `suite` (optionally filtered); progress and failures go to stderr. `done`: called
+    after each workload but the last with the run so far (a message says it is partial)."""
     t_start, started = time.perf_counter(), now()
     load_before = _loadavg()
     names, messages, errors = select_strategies(suite, strategies, peers)
@@ -259,6 +260,9 @@ def run_suite(suite: suite_mod.Suite, *, workloads: Sequence[str] | None = None,
     for i, spec in enumerate(specs, 1):
         rows += run_workload(spec, names, repeats or spec.repeats, suite.min_sample_seconds,
                              suite.memory_analysis, f"[{i}/{len(specs)}]", messages)
+        if done is not None and i < len(specs):
+            done(RunResult(suite, tuple(names), (*messages, f"partial: {i} of {len(specs)} workloads run"),
+                           tuple(rows), (), started, time.perf_counter() - t_start, load_before, _loadavg()))
 
     overhead_rows: list[overhead_mod.OverheadRow] = []
     # Call overhead: one row per partitioner (budgets and donate_saved do not change its call path).
@@ -337,13 +341,13 @@ def main(argv: Sequence[str]) -> int:
         return _run_target(suite)
     if FLAGS.repeats is not None and FLAGS.repeats < 1:
         return _refuse(["--repeats must be >= 1"])
-    try:
-        result = run_suite(suite, workloads=FLAGS.workloads, strategies=FLAGS.strategies,
-                           repeats=FLAGS.repeats, peers=FLAGS.peers)
+    out = FLAGS.out if FLAGS.out != DEFAULT_OUT else _resolve_out()
+    try:  # the file is written after each workload too: a run stopped partway keeps what it ran
+        result = run_suite(suite, workloads=FLAGS.workloads, strategies=FLAGS.strategies, repeats=FLAGS.repeats,
+                           peers=FLAGS.peers, done=lambda partial: report.write_json(out, to_json(partial, _command())))
     except PatternError as e:
         return _refuse(str(e).splitlines())
     print(format_result(result), flush=True)
-    out = FLAGS.out if FLAGS.out != DEFAULT_OUT else _resolve_out()
     report.write_json(out, to_json(result, _command()))
     log(f"wrote {out}")
     if FLAGS.plot:

@@ -107,6 +107,20 @@ def test_runner_cli_writes_expected_json(tmp_path: Path) -> None:
     assert all(overhead[("latency", s)]["ratio_vs_jax"] > 0 for s in expected[2:] if "@" not in s and "+" not in s)
 
 
+def test_a_run_hands_over_what_it_has_after_each_workload(tiny_suite: Path) -> None:
+    """`run_suite(done=...)` gets the run so far after each workload but the last, marked
+    partial (`main` writes it to --out, so a run stopped partway keeps the workloads it ran)."""
+    from benchmarks import run, suite as suite_mod
+    seen = []
+    result = run.run_suite(suite_mod.load(tiny_suite), workloads=["tiny_mlp", "tiny_block"],
+                           strategies=["fused"], done=seen.append)
+    assert len(seen) == 1 and [r.workload for r in seen[0].rows] == ["tiny_mlp"]
+    assert "partial: 1 of 2 workloads run" in seen[0].messages
+    assert [r.workload for r in result.rows] == ["tiny_mlp", "tiny_block"]
+    assert not any(m.startswith("partial") for m in result.messages)
+    json.dumps(run.to_json(seen[0], "python -m benchmarks.run"), default=str)  # what main writes
+
+
 def test_new_partitioners_are_picked_up_and_failures_continue(tiny_suite: Path) -> None:
     from benchmarks import run, suite as suite_mod
 
