@@ -99,7 +99,8 @@ class Plan:
     def fit(self, limit: int | str) -> Row:
         """The cheapest row whose compiled per-device peak is at most `limit` (bytes, or a
         size such as "70GB"): the fewest bytes moved, where rows within `COST_TIE` of each
-        other count as equal and the highest peak among them is taken. Where the fused step does not fit, aotgrad's step is compiled
+        other count as equal and the highest peak among them is taken. Where the fused step
+        does not fit, aotgrad's step is compiled
         at budgets searched so that its compiled peak lands just under `limit` (`land.py`:
         a budget is met against aotgrad's estimate of the peak, not the compiler's); the
         row names the `activation_memory_budget` (`row.budget`) that builds that step."""
