@@ -257,12 +257,16 @@ def run_suite(suite: suite_mod.Suite, *, workloads: Sequence[str] | None = None,
         f"backend {jax.default_backend()}, {os.cpu_count()} CPUs")
 
     rows: list[Row] = []
+
+    def so_far(notes: Sequence[str], overhead: Sequence[overhead_mod.OverheadRow] = ()) -> RunResult:
+        return RunResult(suite, tuple(names), tuple(notes), tuple(rows), tuple(overhead), started,
+                         time.perf_counter() - t_start, load_before, _loadavg())
+
     for i, spec in enumerate(specs, 1):
         rows += run_workload(spec, names, repeats or spec.repeats, suite.min_sample_seconds,
                              suite.memory_analysis, f"[{i}/{len(specs)}]", messages)
         if done is not None and i < len(specs):
-            done(RunResult(suite, tuple(names), (*messages, f"partial: {i} of {len(specs)} workloads run"),
-                           tuple(rows), (), started, time.perf_counter() - t_start, load_before, _loadavg()))
+            done(so_far([*messages, f"partial: {i} of {len(specs)} workloads run"]))
 
     overhead_rows: list[overhead_mod.OverheadRow] = []
     # Call overhead: one row per partitioner (budgets and donate_saved do not change its call path).
@@ -275,8 +279,7 @@ def run_suite(suite: suite_mod.Suite, *, workloads: Sequence[str] | None = None,
                 log(f"{OVERHEAD_ROW}: FAILED: {first_line(e)} (continuing)")
         else:
             log(f"{OVERHEAD_ROW}: skipped (no aotgrad strategy selected)")
-    return RunResult(suite, tuple(names), tuple(messages), tuple(rows), tuple(overhead_rows),
-                     started, time.perf_counter() - t_start, load_before, _loadavg())
+    return so_far(messages, overhead_rows)
 
 
 def to_json(result: RunResult, command: str) -> dict[str, Any]:

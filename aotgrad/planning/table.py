@@ -100,10 +100,10 @@ class Plan:
         """The cheapest row whose compiled per-device peak is at most `limit` (bytes, or a
         size such as "70GB"): the fewest bytes moved, where rows within `COST_TIE` of each
         other count as equal and the highest peak among them is taken. Where the fused step
-        does not fit, aotgrad's step is compiled
-        at budgets searched so that its compiled peak lands just under `limit` (`land.py`:
-        a budget is met against aotgrad's estimate of the peak, not the compiler's); the
-        row names the `activation_memory_budget` (`row.budget`) that builds that step."""
+        does not fit, aotgrad's step is compiled at budgets searched so that its compiled
+        peak lands just under `limit` (`land.py`: a budget is met against aotgrad's estimate
+        of the peak, not the compiler's); the row names the `activation_memory_budget`
+        (`row.budget`) that builds that step."""
         try:
             if isinstance(limit, bool) or not isinstance(limit, (int, str)):
                 raise ValueError(f"a byte size is an int or a string such as '70GB'; got {limit!r}.")
