@@ -137,7 +137,8 @@ class ProgramPair:
         """Runs the forward program; `hooks` (those in force) go to the backward in `Saved`."""
         results = self.forward(*inputs)
         saved = results[self.n_outs:]
-        saved.extend(inputs[i] for i in self.split.saved_inputs)
+        if self.split.saved_inputs:
+            saved.extend([inputs[i] for i in self.split.saved_inputs])
         probe = results[0] if results else None
         if type(probe) is ArrayImpl and type(probe.sharding) is not SingleDeviceSharding:
             return results[:self.n_outs], Saved(saved, self, self._grad_shardings(inputs), hooks)

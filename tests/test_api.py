@@ -276,6 +276,21 @@ def test_cache_limit_evicts_and_warns_once():
     assert f.cache_info().misses == misses
 
 
+def test_repeated_calls_count_as_hits_and_keep_the_least_recent_evicted():
+    # A call with the latest call's signature skips the cache's lookup; it must still count
+    # as a hit and leave the latest entry most recent, so eviction drops the right one.
+    f = aotgrad.compile(lambda x: jnp.sum(x ** 2))
+    with aotgrad.config.patch(cache_size_limit=2), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the one-time eviction warning
+        for n in (1, 2, 1, 1, 1, 3):  # 1 is used after 2: 2 is the one evicted by 3
+            f(jnp.ones(n))
+        assert (f.cache_info().hits, f.cache_info().misses) == (3, 3)
+        f(jnp.ones(1)), f(jnp.ones(3))
+        assert f.cache_info().misses == 3
+        f(jnp.ones(2))
+        assert f.cache_info().misses == 4
+
+
 def test_log_recompiles_names_the_cause(caplog):
     f = aotgrad.compile(lambda params, x: jnp.sum(params["w"] * x))
     with aotgrad.config.patch(log_recompiles=True), caplog.at_level(logging.WARNING, "aotgrad"):

@@ -62,7 +62,7 @@ class EntryCache:
         self.hooks = hooks  # the function's hooks, read by its entries when a forward runs
         self.entries: collections.OrderedDict[CallKey, Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._last_key: CallKey | None = None
+        self._last: tuple[CallKey, Entry] | None = None  # the latest call's key and entry
         self._warned_eviction = False
         self._noted_identity = False
         self._hits = self._misses = 0
@@ -79,6 +79,10 @@ class EntryCache:
         snapshot = config.snapshot()
         jit_key.check(config.keyed_overrides(), current_state(), leaves, self.name)
         key = CallKey(static, in_tree, tuple(map(leaf_key, leaves)), snapshot.key, current_setting())
+        last = self._last  # (one read: another thread may replace it)
+        if last is not None and last[0] == key:  # a loop's calls: no hashing, already most recent
+            self._hits += 1
+            return last[1], (*last[1].fwd.consts, *leaves)
         entry = self.entries.get(key)  # hit path without the lock: dict reads are atomic
         if entry is not None:
             try:
@@ -86,7 +90,7 @@ class EntryCache:
             except KeyError:  # evicted by another thread meanwhile; still valid for this call
                 pass
             self._hits += 1
-            self._last_key = key
+            self._last = (key, entry)
         else:
             entry = self._build(key, snapshot, len(args), leaves)
         return entry, (*entry.fwd.consts, *leaves)
@@ -98,7 +102,7 @@ class EntryCache:
         ensure_compilation_cache()
         with self._lock:
             self._misses += 1
-            last = self._last_key
+            last = self._last[0] if self._last is not None else None
             cached = list(self.entries)
         if snapshot.log_recompiles and last is not None:
             # Blame the difference from the nearest cached key (fewest differing fields).
@@ -116,7 +120,7 @@ class EntryCache:
             return entry  # closes over an enclosing transform's tracers: valid for this call only
         with self._lock:
             self.entries[key] = entry
-            self._last_key = key
+            self._last = (key, entry)
             self._evict(snapshot.cache_size_limit)
         return entry
 
@@ -191,4 +195,4 @@ class EntryCache:
         """Drops every entry; the next call traces again."""
         with self._lock:
             self.entries.clear()
-            self._last_key = None
+            self._last = None
