@@ -246,11 +246,12 @@ def jax_primitives() -> dict[str, list[Any]]:
     return found
 
 
-def hlo_cost(compiled: Any) -> dict[str, float]:
+def hlo_cost(compiled: Any, generic: bool = False) -> dict[str, float]:
     """XLA's HLO cost analysis of a compiled executable ("flops", "bytes accessed", ...).
     A compile-only GPU executable has no `cost_analysis()`: its optimized module is analysed
-    with the host's CPU backend's generic cost model instead. {} where neither works."""
-    cost = compiled.cost_analysis()
+    with the host's CPU backend's generic cost model instead, as it is always if `generic`.
+    {} where neither works."""
+    cost = None if generic else compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else None
     if cost:

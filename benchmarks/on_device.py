@@ -86,7 +86,7 @@ def _compiled_step(strategy: str, w: Any) -> Any:
 def _child(spec: dict) -> dict:
     """One strategy in this process: its allocator peak, XLA's numbers, its own median."""
     import jax
-    from aotgrad._jax_internals import hlo_cost
+    from aotgrad.planning.measure import counted_cost
     from aotgrad.devices import profile_of
     from benchmarks.measure import time_steps
     from benchmarks.strategies import xla_peak
@@ -103,7 +103,7 @@ def _child(spec: dict) -> dict:
     times = [time_steps(step, _block, 1) for _ in range(spec["steps"])]
     after = device.memory_stats() or {}
     m = compiled.memory_analysis()
-    cost = hlo_cost(compiled)
+    cost = counted_cost(compiled)
     in_use = before.get("bytes_in_use")
     peak = after.get("peak_bytes_in_use")
     return {"allocator_peak": None if peak is None or in_use is None else peak - in_use,

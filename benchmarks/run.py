@@ -31,8 +31,8 @@ from benchmarks import overhead as overhead_mod
 from benchmarks import peers_torch, report, suite as suite_mod
 from benchmarks.measure import interleaved, steps_for, summarize, time_steps
 from benchmarks.records import Row, machine_info, now, versions
-from benchmarks.strategies import (AOTGRAD_PREFIX, PARAMETERIZED, Prepared, applicable, expand, first_line,
-                                  max_relative_error, name_error, narrow, prepare)
+from benchmarks.strategies import (AOTGRAD_PREFIX, Prepared, applicable, expand, first_line, max_relative_error,
+                                  narrow, prepare)
 from benchmarks.targets import select_target_strategies
 from benchmarks.workloads import build
 

@@ -13,7 +13,7 @@ from jax import lax
 
 import aotgrad
 from aotgrad._jax_internals import scan_params
-from aotgrad.autocast import TABLES, current_setting
+from aotgrad.autocast import current_setting
 from aotgrad.autocast.context import Setting, current_state
 from aotgrad._jax_internals import jax_primitives
 from aotgrad.autocast.policy import FP32, LOWER

@@ -42,6 +42,7 @@ GROUPS = {
     "vit_convnet": [
         "test_candidates_are_ranked_by_the_steps_traffic_on_the_h100",
         "test_cheap_elementwise_work_is_counted_where_xla_gpu_writes_it",
+        "test_library_calls_are_counted_on_the_h100",
     ],
     "gpt_heads_scan": [
         "test_a_jitted_step_frees_the_kept_head_where_a_layers_backward_peaks",

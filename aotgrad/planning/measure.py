@@ -3,36 +3,33 @@
 - peak: `memory_analysis()` per device, arguments + outputs - outputs aliased to donated
   arguments + scratch (`xla_peak`);
 - bytes accessed and FLOPs: XLA's HLO cost analysis of the optimized module
-  (`_jax_internals.hlo_cost`; a compile-only GPU executable's module is analysed with the
-  host's generic cost model); where the target's compiler copies weights in chunks by
-  asynchronous slices (XLA:TPU), the bytes with each slice counted at the bytes it moves
-  (`async_slice_excess`);
+  (`_jax_internals.hlo_cost`). A GPU module (a compile-only one's, or a real GPU's) is
+  analysed with the host's generic cost model, its library calls (cuBLAS matmuls, cuDNN
+  convolutions) counted from its text (`library_calls`), which the analysis leaves out;
+  where the target's compiler copies weights in chunks by asynchronous slices (XLA:TPU),
+  the bytes with each slice counted at the bytes it moves (`async_slice_excess`);
 - an estimated step time from the device's memory bandwidth and FLOP rate (`estimate_step_s`).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import time
 from typing import Any, Callable
 
+import jax
+
 from aotgrad._jax_internals import hlo_cost
 from aotgrad.devices import DeviceProfile
+from aotgrad.planning.library_calls import array_bytes, library_calls
 from aotgrad.xla_buffers import xla_peak
 
-__all__ = ["Measured", "async_slice_excess", "estimate_step_s", "measure", "xla_peak"]
+__all__ = ["Measured", "async_slice_excess", "counted_cost", "estimate_step_s", "measure", "xla_peak"]
 
 
-_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
-               "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 # `%x = ((f32[768,2304]{1,0:T(8,128)}), f32[192,2304]{...}, s32[]{...}) slice-start(%w), ...`:
 # the operand's shape, then the slice's (a layout may hold parentheses, never braces).
 _SLICE_START = re.compile(r"= \(\((\w+)\[([\d,]*)\](?:\{[^}]*\})?\), (\w+)\[([\d,]*)\].*? slice-start\(")
-
-
-def _array_bytes(dtype: str, dims: str) -> int:
-    return math.prod(int(d) for d in dims.split(",") if d) * _ITEM_BYTES[dtype]
 
 
 def async_slice_excess(hlo_text: str) -> int:
@@ -45,7 +42,7 @@ def async_slice_excess(hlo_text: str) -> int:
     for line in hlo_text.splitlines():
         m = _SLICE_START.search(line)
         if m:
-            excess += _array_bytes(m[1], m[2]) - _array_bytes(m[3], m[4])
+            excess += array_bytes(m[1], m[2]) - array_bytes(m[3], m[4])
     return excess
 
 
@@ -75,9 +72,33 @@ def measure(build: Callable[[], Any]) -> tuple[Any, Measured]:
         m = compiled.memory_analysis()
     except Exception:  # noqa: BLE001 (a backend without it)
         m = None
-    cost = hlo_cost(compiled)
+    text = compiled.as_text()
+    cost = counted_cost(compiled, text)
     return compiled, Measured(None if m is None else xla_peak(m), cost.get("bytes accessed"), cost.get("flops"),
-                              seconds, float(async_slice_excess(compiled.as_text())))
+                              seconds, float(async_slice_excess(text)))
+
+
+def counted_cost(compiled: Any, text: str | None = None) -> dict[str, float]:
+    """XLA's cost analysis of `compiled` (`hlo_cost`), on a GPU the generic one with the
+    library calls counted (`library_calls`; each was charged -1 FLOPs and -1 bytes). {}
+    where no analysis can count them. `text`: `compiled.as_text()`, if already read."""
+    calls = library_calls(compiled.as_text() if text is None else text)
+    if not calls.count and _platform(compiled) != "gpu":
+        return hlo_cost(compiled)
+    cost = hlo_cost(compiled, generic=True)
+    if not calls.count:
+        return cost or hlo_cost(compiled)
+    if not cost:
+        return {}
+    return {**cost, "flops": cost.get("flops", 0.0) + calls.count + calls.flops,
+            "bytes accessed": cost.get("bytes accessed", 0.0) + calls.count + calls.bytes}
+
+
+def _platform(compiled: Any) -> str | None:
+    """The platform of the devices `compiled` runs on (None: it takes no arguments)."""
+    for sharding in jax.tree.leaves(compiled.input_shardings):
+        return next(iter(sharding.device_set)).platform
+    return None
 
 
 def estimate_step_s(profile: DeviceProfile, dtype: str, bytes_moved: float | None,
