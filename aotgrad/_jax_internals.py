@@ -61,7 +61,7 @@ from jax._src.random import prng  # noqa: E402
 
 __all__ = ["INLINE_WHEN_STAGED", "JAX_VERSION", "MIN_JAX", "ArrayImpl", "ScanParams", "Tracer", "bind_eqn",
            "eqn_context",
-           "hlo_cost", "is_jaxpr", "jax_primitives", "jit_key_state", "name_scopes", "open_jaxpr", "primitives", "reset_compilation_cache", "scan_params",
+           "hlo_cost", "is_jaxpr", "module_cost", "jax_primitives", "jit_key_state", "name_scopes", "open_jaxpr", "primitives", "reset_compilation_cache", "scan_params",
            "source_line", "staging", "short_source_line", "varying_axes", "wrap_like"]
 
 # `jax.jit(..., inline=INLINE_WHEN_STAGED)`: the call, and what JAX derives from it (its
@@ -257,9 +257,23 @@ def hlo_cost(compiled: Any, generic: bool = False) -> dict[str, float]:
     if cost:
         return dict(cost)
     try:
-        from jax._src import xla_bridge
-        from jax._src.lib import _jax
-        module = compiled.runtime_executable().hlo_modules()[0]
-        return dict(_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module))
+        return _generic_cost(compiled.runtime_executable().hlo_modules()[0])
     except Exception:  # noqa: BLE001 (an executable with no module, a jaxlib without the call)
         return {}
+
+
+def module_cost(text: str) -> dict[str, float]:
+    """The generic HLO cost analysis (as `hlo_cost`'s) of a module given as HLO text (a
+    computation of an optimized module made its entry). {} where it cannot be read."""
+    try:
+        from jaxlib import _hlo
+        return _generic_cost(_hlo.hlo_module_from_text(text))
+    except Exception:  # noqa: BLE001 (a jaxlib without the parser, text it does not take)
+        return {}
+
+
+def _generic_cost(module: Any) -> dict[str, float]:
+    """The host CPU backend's generic cost analysis of an HLO module, whatever its target."""
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+    return dict(_jax.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module))

@@ -3,11 +3,13 @@
 - peak: `memory_analysis()` per device, arguments + outputs - outputs aliased to donated
   arguments + scratch (`xla_peak`);
 - bytes accessed and FLOPs: XLA's HLO cost analysis of the optimized module
-  (`_jax_internals.hlo_cost`). A GPU module (a compile-only one's, or a real GPU's) is
-  analysed with the host's generic cost model, its library calls (cuBLAS matmuls, cuDNN
-  convolutions) counted from its text (`library_calls`), which the analysis leaves out;
-  where the target's compiler copies weights in chunks by asynchronous slices (XLA:TPU),
-  the bytes with each slice counted at the bytes it moves (`async_slice_excess`);
+  (`_jax_internals.hlo_cost`), a loop's FLOPs counted as often as it runs (`loops`: the
+  analysis counts a loop's body once; its bytes stay counted once). A GPU module (a compile-only one's, or a real
+  GPU's) is analysed with the host's generic cost model, its library calls (cuBLAS
+  matmuls, cuDNN convolutions), which the analysis leaves out, counted from its text
+  (`library_calls`); where the target's compiler copies weights in chunks by asynchronous
+  slices (XLA:TPU), the bytes with each slice counted at the bytes it moves
+  (`async_slice_excess`);
 - an estimated step time from the device's memory bandwidth and FLOP rate (`estimate_step_s`).
 """
 from __future__ import annotations
@@ -15,13 +17,15 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
 
-from aotgrad._jax_internals import hlo_cost
+from aotgrad._jax_internals import hlo_cost, module_cost
 from aotgrad.devices import DeviceProfile
 from aotgrad.planning.library_calls import array_bytes, library_calls
+from aotgrad.planning.loops import counted
 from aotgrad.xla_buffers import xla_peak
 
 __all__ = ["Measured", "async_slice_excess", "counted_cost", "estimate_step_s", "measure", "xla_peak"]
@@ -79,19 +83,24 @@ def measure(build: Callable[[], Any]) -> tuple[Any, Measured]:
 
 
 def counted_cost(compiled: Any, text: str | None = None) -> dict[str, float]:
-    """XLA's cost analysis of `compiled` (`hlo_cost`), on a GPU the generic one with the
-    library calls counted (`library_calls`; each was charged -1 FLOPs and -1 bytes). {}
-    where no analysis can count them. `text`: `compiled.as_text()`, if already read."""
-    calls = library_calls(compiled.as_text() if text is None else text)
-    if not calls.count and _platform(compiled) != "gpu":
-        return hlo_cost(compiled)
-    cost = hlo_cost(compiled, generic=True)
-    if not calls.count:
-        return cost or hlo_cost(compiled)
-    if not cost:
+    """XLA's cost analysis of `compiled` (`hlo_cost`); where the module has loops or library
+    calls, the generic analysis (on a GPU always), with each library call's bytes and FLOPs
+    counted (it charged each -1) and each loop's FLOPs counted as often as it runs
+    (`loops.counted`; its bytes once, as the analysis counts them). {} where that cannot be
+    counted (a warning says why). `text`: `compiled.as_text()`, if already read."""
+    text = compiled.as_text() if text is None else text
+    calls = library_calls(text)
+    if " while(" not in text and not calls.count:
+        return (hlo_cost(compiled, generic=True) if _platform(compiled) == "gpu" else {}) or hlo_cost(compiled)
+    whole = hlo_cost(compiled, generic=True)
+    flops = counted(text, whole, module_cost)
+    if flops is None or "bytes accessed" not in whole:
+        warnings.warn("aotgrad: the step's bytes moved and FLOPs are not known: XLA's cost analysis counts "
+                      "a loop's body once and a library call as -1, and counting them needs the host's CPU "
+                      "backend (JAX_PLATFORMS must include 'cpu') to analyse the module's computations.",
+                      stacklevel=2)
         return {}
-    return {**cost, "flops": cost.get("flops", 0.0) + calls.count + calls.flops,
-            "bytes accessed": cost.get("bytes accessed", 0.0) + calls.count + calls.bytes}
+    return {**whole, "flops": flops, "bytes accessed": whole["bytes accessed"] + calls.count + calls.bytes}
 
 
 def _platform(compiled: Any) -> str | None:
