@@ -6,26 +6,38 @@ from __future__ import annotations
 
 from aotgrad.planning.library_calls import LibraryCalls, library_calls
 
+_CONV = 'window={size=3x3 stride=2x2}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$conv'
 _CONFIG = 'backend_config={"operation_queue_id":"0","cudnn_conv_backend_config":{"activation_mode":"kNone"}}'
-MODULE = f"""HloModule jit_step
-
-ENTRY %main.1 (w1.1: f32[3,3,16,32], x.1: f32[8,32,32,16], a.1: f32[1024,2048], b.1: f32[2048,4096]) -> f32[] {{
-  %w1.1 = f32[3,3,16,32]{{3,2,1,0}} parameter(0), metadata={{op_name="w1" scheduling_name="w1.1"}}
-  %x.1 = f32[8,32,32,16]{{3,2,1,0}} parameter(1), metadata={{op_name="x" scheduling_name="x.1"}}
-  %a.1 = f32[1024,2048]{{1,0}} parameter(2)
-  %b.1 = f32[2048,4096]{{1,0}} parameter(3)
-  %loop_pad_fusion = f32[8,33,33,16]{{3,2,1,0}} fusion(%x.1), kind=kLoop, calls=%fused_pad
-  %wrapped_transpose = f32[32,3,3,16]{{3,2,1,0}} fusion(%w1.1), kind=kLoop, calls=%wrapped_transpose_computation
-  %cudnn-conv.2 = (f32[8,16,16,32]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%loop_pad_fusion, %wrapped_transpose), window={{size=3x3 stride=2x2}}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convForward", {_CONFIG}
-  %get-tuple-element.15 = f32[8,16,16,32]{{3,2,1,0}} get-tuple-element(%cudnn-conv.2), index=0
-  %cudnn-conv-bw-filter.2 = (f32[32,3,3,16]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%loop_pad_fusion, %get-tuple-element.15), window={{size=3x3 stride=2x2}}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBackwardFilter", {_CONFIG}
-  %cudnn-conv-bw-input.2 = (f32[8,33,33,16]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%get-tuple-element.15, %wrapped_transpose), window={{size=3x3 stride=2x2}}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBackwardInput", {_CONFIG}
-  %custom-call.2 = (f32[1024,4096]{{1,0}}, s8[4194304]{{0}}) custom-call(%a.1, %b.1), custom_call_target="__cublas$lt$matmul", backend_config={{"operation_queue_id":"0","gemm_backend_config":{{"selected_algorithm":"0","alpha_real":1,"beta":0,"dot_dimension_numbers":{{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}}}}
-  %custom-call.3 = f32[1024,4096]{{1,0}} custom-call(%custom-call.2), custom_call_target="Sharding", sharding={{replicated}}
-  %custom-call.4 = (f32[8,4,128,128]{{3,2,1,0}}, u8[16]{{0}}) custom-call(%a.1, %b.1), custom_call_target="__cudnn$fmhaSoftmax"
-  ROOT %r = f32[] constant(0)
-}}
-"""
+_GEMM_CONFIG = ('backend_config={"operation_queue_id":"0","gemm_backend_config":{"selected_algorithm":"0",'
+                '"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+                '"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}')
+MODULE = "\n".join([
+    "HloModule jit_step",
+    "",
+    "ENTRY %main.1 (w1.1: f32[3,3,16,32], x.1: f32[8,32,32,16], a.1: f32[1024,2048], "
+    "b.1: f32[2048,4096]) -> f32[] {",
+    '  %w1.1 = f32[3,3,16,32]{3,2,1,0} parameter(0), metadata={op_name="w1" scheduling_name="w1.1"}',
+    '  %x.1 = f32[8,32,32,16]{3,2,1,0} parameter(1), metadata={op_name="x" scheduling_name="x.1"}',
+    "  %a.1 = f32[1024,2048]{1,0} parameter(2)",
+    "  %b.1 = f32[2048,4096]{1,0} parameter(3)",
+    "  %loop_pad_fusion = f32[8,33,33,16]{3,2,1,0} fusion(%x.1), kind=kLoop, calls=%fused_pad",
+    "  %wrapped_transpose = f32[32,3,3,16]{3,2,1,0} fusion(%w1.1), kind=kLoop, calls=%wrapped_transpose_computation",
+    "  %cudnn-conv.2 = (f32[8,16,16,32]{3,2,1,0}, u8[0]{0}) custom-call(%loop_pad_fusion, %wrapped_transpose), "
+    f'{_CONV}Forward", {_CONFIG}',
+    "  %get-tuple-element.15 = f32[8,16,16,32]{3,2,1,0} get-tuple-element(%cudnn-conv.2), index=0",
+    "  %cudnn-conv-bw-filter.2 = (f32[32,3,3,16]{3,2,1,0}, u8[0]{0}) "
+    f'custom-call(%loop_pad_fusion, %get-tuple-element.15), {_CONV}BackwardFilter", {_CONFIG}',
+    "  %cudnn-conv-bw-input.2 = (f32[8,33,33,16]{3,2,1,0}, u8[0]{0}) "
+    f'custom-call(%get-tuple-element.15, %wrapped_transpose), {_CONV}BackwardInput", {_CONFIG}',
+    "  %custom-call.2 = (f32[1024,4096]{1,0}, s8[4194304]{0}) custom-call(%a.1, %b.1), "
+    f'custom_call_target="__cublas$lt$matmul", {_GEMM_CONFIG}',
+    '  %custom-call.3 = f32[1024,4096]{1,0} custom-call(%custom-call.2), custom_call_target="Sharding", '
+    "sharding={replicated}",
+    "  %custom-call.4 = (f32[8,4,128,128]{3,2,1,0}, u8[16]{0}) custom-call(%a.1, %b.1), "
+    'custom_call_target="__cudnn$fmhaSoftmax"',
+    "  ROOT %r = f32[] constant(0)",
+    "}",
+])
 
 F32 = 4
 INPUT_PADDED = 8 * 33 * 33 * 16 * F32

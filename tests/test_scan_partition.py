@@ -133,7 +133,11 @@ def _close_or_as_good_as_jax(fn, got, expected, tol=2e-5) -> None:
         _close(got, expected, tol)
         return
     except AssertionError:
-        reference = _reference64(fn)
+        _as_good_as_jax(got, expected, _reference64(fn), tol)
+
+
+def _as_good_as_jax(got, expected, reference, tol=2e-5) -> None:
+    """`got` is at least as close as JAX's float32 result `expected` to `reference`."""
     for g, j, r in zip(*map(jax.tree.leaves, (got, expected, reference)), strict=True):
         r = np.asarray(r)
         error = lambda x: float(np.max(np.abs(np.asarray(x, np.float64) - r) / (np.abs(r) + 1)))  # noqa: E731
@@ -355,7 +359,13 @@ def test_carry_checkpointed_every_kth_iteration(reverse: bool) -> None:
             assert report.scan_segments == () and "carry saved every" not in str(report)
             continue
         with aotgrad.config.patch(activation_memory_budget=budget):
-            _close(jax.value_and_grad(f)(p), expected)
+            got = jax.value_and_grad(f)(p)
+        try:
+            _close(got, expected)
+        except AssertionError:  # float32 rounding: the tanh's derivative read from its saved result
+            with jax.enable_x64(True):
+                reference = jax.jit(jax.value_and_grad(fn))(jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), p))
+            _as_good_as_jax(got, expected, reference)
         assert report.saved_bytes == carries * carry + outside
         assert report.scan_segments == (f"carry saved every {every} of {n} iterations",)
         assert f"scan: carry saved every {every} of {n} iterations" in str(report)
@@ -405,3 +415,22 @@ def test_a_segmented_scan_recomputes_its_reshaped_weights_on_a_gpu() -> None:
     assert segmented, "the scan was not cut into segments"
     saved = budget_module.within_budget(problem, 0.0)
     assert not views & set(saved), [v.aval.str_short() for v in views & set(saved)]
+
+
+def test_a_saved_tanh_output_spares_the_cells_matmuls() -> None:
+    """An RNN cell, h = tanh(x Wx + h Wh + b), scanned over time: at budget 1 the body's cut
+    saves the tanh output (jax 0.10) or `one_minus_square` of it (jax 0.11 and later, which
+    has no name in the body: its named ancestor, the output, is saved). JAX differentiates
+    tanh from tanh's own result; reading the named one, the backward runs no matmul again:
+    the step's FLOPs (XLA's, each loop as often as it runs) are the fused step's. Before,
+    the backward ran both matmuls again: 1.29x."""
+    from aotgrad.planning.measure import counted_cost
+    from benchmarks.workloads import rnn
+    loss, params, batch = rnn(batch=8, seq=16, d_in=16, hidden=64)
+    fused = jax.jit(jax.value_and_grad(loss))
+    with aotgrad.config.patch(activation_memory_budget=1.0):
+        step = jax.jit(jax.value_and_grad(aotgrad.compile(loss)))
+        flops = counted_cost(step.lower(params, batch).compile())["flops"]
+        got = step(params, batch)
+    assert flops <= 1.01 * counted_cost(fused.lower(params, batch).compile())["flops"]
+    _close(got, fused(params, batch))

@@ -31,6 +31,7 @@ from aotgrad._jax_internals import bind_eqn, name_scopes, scan_params
 from aotgrad.interpret import Rule, eval_jaxpr, sub_jaxprs
 from aotgrad.partition import costs, shards
 from aotgrad.partition.budget_value import Budget
+from aotgrad.partition.named_outputs import DERIVATIVES, bind_named
 from aotgrad.partition.scan_levels import ScanSchedule, scan_schedule
 
 __all__ = ["BodyCut", "BodyTrace", "is_cut_scan", "partition_scans", "segment_schedules", "uncut_scans"]
@@ -79,7 +80,7 @@ def partition_scans(cut: BodyCut, budget: Budget, trace_body: BodyTrace,
                                     trace_body=trace_body, splits=body_splits)
 
         policy = jax.checkpoint_policies.save_only_these_names(*names)
-        step = jax.checkpoint(lambda *xs: _eval_named(body, xs, rules), policy=policy)
+        step = jax.checkpoint(lambda *xs: _eval_named(body, xs, rules, derive_from_names=True), policy=policy)
         consts = invals[:nc]
 
         def scan_body(carry: list, x: list) -> tuple[list, list]:
@@ -124,14 +125,19 @@ def _segmented(body: Callable, init: list, xs: list, length: int, every: int, op
                    for arrays in zip(*ordered, strict=True)]
 
 
-def _eval_named(body: ClosedJaxpr, args: Any, rules: dict) -> list:
+def _eval_named(body: ClosedJaxpr, args: Any, rules: dict, derive_from_names: bool = False) -> list:
     """Evaluates `body`, naming each array its equations produce `<prefix><k>` (k: the
-    value's position in the body), so a policy can save exactly the chosen ones."""
+    value's position in the body), so a policy can save exactly the chosen ones.
+    `derive_from_names`: an operation whose derivative reads its result reads the named
+    one (`named_outputs`), so saving that name spares running it again (for JAX's
+    differentiation; the graph the cut is made on keeps the plain operations)."""
     jaxpr = body.jaxpr
     position = {v: k for k, v in enumerate(v for e in jaxpr.eqns for v in e.outvars)}
 
     def named(evaluate: Rule) -> Rule:
         def rule(eqn: JaxprEqn, invals: list) -> list:
+            if derive_from_names and eqn.primitive in DERIVATIVES and _nameable(eqn, eqn.outvars[0]):
+                return [bind_named(eqn, invals[0], f"{_PREFIX}{position[eqn.outvars[0]]}")]
             return [checkpoint_name(val, f"{_PREFIX}{position[v]}") if _nameable(eqn, v) else val
                     for v, val in zip(eqn.outvars, evaluate(eqn, invals), strict=True)]
         return rule
@@ -178,7 +184,28 @@ def _cut_names(body: ClosedJaxpr, cut: BodyCut, budget: Budget, rules: dict, len
             for v in (*eqn.invars, *eqn.outvars):
                 if isinstance(v, Var):
                     name_of[v] = eqn.params["name"]
-    return tuple(sorted({name_of[v] for v in saved if v in name_of})), schedule
+    return tuple(sorted(_names_of(saved, name_of, graph))), schedule
+
+
+def _names_of(saved: Any, name_of: dict[Var, str], graph: Any) -> set[str]:
+    """The names a policy saves for the cut's `saved` values. A value the body's
+    differentiation computes in its forward (jax 0.11 and later differentiate `tanh` by
+    `one_minus_square` of its result) has no name: its nearest named ancestors are saved
+    instead, and the step computes it again from them (else nothing would be saved, and
+    JAX would run the whole body again: an RNN cell's matmuls too)."""
+    producer = {v: e for e in graph.eqns for v in e.outvars}
+    names: set[str] = set()
+    todo, seen = [v for v in saved if isinstance(v, Var)], set()
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v in name_of:
+            names.add(name_of[v])
+        elif v in producer:
+            todo += [u for u in producer[v].invars if isinstance(u, Var)]
+    return names
 
 
 def segment_schedules(jaxpr: Any) -> tuple[str, ...]:
