@@ -37,12 +37,12 @@ _SCRATCH = ("s8", "u8")  # a library's workspace: the last element of its result
 @dataclasses.dataclass(frozen=True)
 class LibraryCalls:
     """What a module's library calls move and compute, and how many there are (each one
-    -1 FLOPs and -1 bytes in the generic cost analysis). `unknown`: calls of a library
+    -1 FLOPs and -1 bytes in the generic cost analysis). `unknown`: the targets of calls
     whose FLOPs are not counted here (not a GEMM or a convolution: 0 FLOPs)."""
     count: int = 0
     bytes: float = 0.0
     flops: float = 0.0
-    unknown: int = 0
+    unknown: tuple[str, ...] = ()
 
 
 def array_bytes(dtype: str, dims: str) -> int:
@@ -71,23 +71,27 @@ def library_calls(hlo_text: str) -> LibraryCalls:
         shapes[m[1]] = _arrays(m[2])
         if m[3] == "custom-call" and (t := _TARGET.search(line)) and t[1].startswith(_LIBRARIES):
             calls.append((m[1], t[1], line))
-    count, moved, flops, unknown = 0, 0.0, 0.0, 0
+    count, moved, flops, unknown = 0, 0.0, 0.0, set()
     for name, target, line in calls:
         result = shapes[name]
         if len(result) > 1 and result[-1][0] in _SCRATCH:
             result = result[:-1]
-        operands = [shapes.get(o, []) for o in _OPERAND.findall(_CALL.search(line)[1])]
+        listed = _CALL.search(line)
+        operands = [shapes.get(o, []) for o in _OPERAND.findall(listed[1] if listed else "")]
         first = [a[0] for a in operands if a]
         count += 1
         moved += sum(map(_size, result)) + sum(_size(a) for o in operands for a in o)
-        work = _gemm_flops(line, first, result) if "blas$" in target else None
-        if "$conv" in target:
-            work = _conv_flops(line, target, first, result)
+        try:
+            work = _gemm_flops(line, first, result) if "blas$" in target else None
+            if "$conv" in target:
+                work = _conv_flops(line, target, first, result)
+        except (IndexError, ValueError, ZeroDivisionError):  # a call printed otherwise: FLOPs unknown
+            work = None
         if work is None:
-            unknown += 1
+            unknown.add(target)
         else:
             flops += work
-    return LibraryCalls(count, moved, flops, unknown)
+    return LibraryCalls(count, moved, flops, tuple(sorted(unknown)))
 
 
 def _gemm_flops(line: str, operands: list, result: list) -> float | None:

@@ -100,6 +100,9 @@ def counted_cost(compiled: Any, text: str | None = None) -> dict[str, float]:
                       "backend (JAX_PLATFORMS must include 'cpu') to analyse the module's computations.",
                       stacklevel=2)
         return {}
+    if calls.unknown:
+        warnings.warn(f"aotgrad: the step's FLOPs leave out its calls of {', '.join(calls.unknown)} "
+                      f"(library calls XLA's cost analysis does not count, nor does aotgrad).", stacklevel=2)
     return {**whole, "flops": flops, "bytes accessed": whole["bytes accessed"] + calls.count + calls.bytes}
 
 
