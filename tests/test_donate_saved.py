@@ -100,7 +100,10 @@ SEGMENTED = {
     "gpt": {"batch": 4, "seq": 64, "d_model": 256, "heads": 8, "layers": 4, "vocab": 1024},
     "mlp": {"batch": 64, "width": 128, "depth": 4},
     "convnet": {"batch": 4, "image": 16, "channels": [8, 16], "classes": 10},
-    "rnn": {"batch": 4, "seq": 16, "d_in": 8, "hidden": 32},
+    # d_in as wide as the hidden state: the readout's saved input is then an eighth or more of
+    # the saved bytes, what a segment must release (with jax >= 0.11 a scan body saving its
+    # tanh output leaves the readout the only value read before the scan)
+    "rnn": {"batch": 4, "seq": 16, "d_in": 32, "hidden": 32},
 }
 
 
