@@ -4,7 +4,8 @@ The lines are XLA:GPU's own (jax 0.12.0.1, a compile-only H100; backend configs 
 short); the expected numbers are worked out by hand from the shapes."""
 from __future__ import annotations
 
-from aotgrad.planning.library_calls import LibraryCalls, library_calls
+from aotgrad.planning.library_calls import LibraryCalls, has_library_calls, library_calls
+from aotgrad.planning.loops import counted
 
 _CONV = 'window={size=3x3 stride=2x2}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$conv'
 _CONFIG = 'backend_config={"operation_queue_id":"0","cudnn_conv_backend_config":{"activation_mode":"kNone"}}'
@@ -64,3 +65,13 @@ def test_a_module_without_library_calls_counts_nothing():
     assert library_calls(MODULE.replace("custom-call(", "fusion(")) == LibraryCalls()
     no_libraries = MODULE.replace('"__cudnn$', '"other$').replace('"__cublas$', '"other$')
     assert library_calls(no_libraries) == LibraryCalls()
+    assert has_library_calls(MODULE) and not has_library_calls(no_libraries)
+
+
+def test_a_step_counts_each_library_call_once_with_xlas_own_flops():
+    """`loops.counted` finds the calls computation by computation (a loop body's run as often
+    as the loop): in a module without loops, the same calls as the whole text holds, their
+    FLOPs added to the analysis's and the -1 it charged each undone."""
+    flops, calls = counted(MODULE, {"flops": 10.0}, lambda text: {})
+    assert calls == library_calls(MODULE)
+    assert flops == 10.0 + calls.count + 3 * CONV_FLOPS + GEMM_FLOPS

@@ -16,10 +16,11 @@ import dataclasses
 import math
 import re
 
-__all__ = ["ITEM_BYTES", "LibraryCalls", "array_bytes", "library_calls"]
+__all__ = ["LibraryCalls", "array_bytes", "arrays", "has_library_calls", "library_calls"]
 
-ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
-              "u32": 4, "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "c64": 8, "c128": 16}
+_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+              "u32": 4, "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1,
+               "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "c64": 8, "c128": 16}
 
 # `%name = <shape> op(operands), attributes`: a shape may be a tuple; an operand may be
 # printed with its shape before its name.
@@ -31,6 +32,7 @@ _OPERAND = re.compile(r"%([\w.\-]+)")
 _CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->\w+")
 _LIBRARIES = ("__cublas$", "__cudnn$", "__miopen$", "__rocblas$", "__hipblas$")
+_ANY_LIBRARY = re.compile('custom_call_target="(?:' + "|".join(map(re.escape, _LIBRARIES)) + ")")
 _SCRATCH = ("s8", "u8")  # a library's workspace: the last element of its result tuple
 
 
@@ -44,31 +46,40 @@ class LibraryCalls:
     flops: float = 0.0
     unknown: tuple[str, ...] = ()
 
+    def __add__(self, other: LibraryCalls) -> LibraryCalls:
+        return LibraryCalls(self.count + other.count, self.bytes + other.bytes, self.flops + other.flops,
+                            tuple(sorted({*self.unknown, *other.unknown})))
 
-def array_bytes(dtype: str, dims: str) -> int:
-    return math.prod(int(d) for d in dims.split(",") if d) * ITEM_BYTES.get(dtype, 4)
+
+Array = tuple[str, tuple[int, ...]]  # (element type, dimensions)
 
 
-def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+def arrays(shape: str) -> list[Array]:
+    """The arrays of a printed shape (a tuple's each), of the element types counted here
+    (not tokens or opaque values)."""
     return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(shape)
-            if t in ITEM_BYTES]
+            if t in _ITEM_BYTES]
 
 
-def _size(array: tuple[str, tuple[int, ...]]) -> int:
-    return math.prod(array[1]) * ITEM_BYTES[array[0]]
+def array_bytes(array: Array) -> int:
+    return math.prod(array[1]) * _ITEM_BYTES[array[0]]
+
+
+def has_library_calls(hlo_text: str) -> bool:
+    return _ANY_LIBRARY.search(hlo_text) is not None
 
 
 def library_calls(hlo_text: str) -> LibraryCalls:
     """The library calls of an optimized module's text (`compiled.as_text()`)."""
     if "custom-call(" not in hlo_text:
         return LibraryCalls()
-    shapes: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    shapes: dict[str, list[Array]] = {}
     calls = []
     for line in hlo_text.splitlines():
         m = _INSTRUCTION.match(line)
         if not m:
             continue
-        shapes[m[1]] = _arrays(m[2])
+        shapes[m[1]] = arrays(m[2])
         if m[3] == "custom-call" and (t := _TARGET.search(line)) and t[1].startswith(_LIBRARIES):
             calls.append((m[1], t[1], line))
     count, moved, flops, unknown = 0, 0.0, 0.0, set()
@@ -80,7 +91,7 @@ def library_calls(hlo_text: str) -> LibraryCalls:
         operands = [shapes.get(o, []) for o in _OPERAND.findall(listed[1] if listed else "")]
         first = [a[0] for a in operands if a]
         count += 1
-        moved += sum(map(_size, result)) + sum(_size(a) for o in operands for a in o)
+        moved += sum(map(array_bytes, result)) + sum(array_bytes(a) for o in operands for a in o)
         try:
             work = _gemm_flops(line, first, result) if "blas$" in target else None
             if "$conv" in target:

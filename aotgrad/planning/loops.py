@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from aotgrad.planning.library_calls import library_calls
+from aotgrad.planning.library_calls import LibraryCalls, library_calls
 
 __all__ = ["counted"]
 
@@ -32,10 +32,11 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 Analyse = Callable[[str], dict]  # HLO module text -> XLA's cost analysis ({}: it could not)
 
 
-def counted(text: str, whole: dict, analyse: Analyse) -> float | None:
+def counted(text: str, whole: dict, analyse: Analyse) -> tuple[float | None, LibraryCalls]:
     """The step's FLOPs, from its optimized module's `text` and `whole`, XLA's cost analysis
     of that module; `analyse` analyses a module given as text. None where the analysis
-    could not be made or a loop body could not be analysed."""
+    could not be made or a loop body could not be analysed. And the module's library calls,
+    each instruction once (what computations no loop or entry runs hold left out)."""
     blocks, entry = _blocks(text)
     loops: dict[str, list[tuple[str, int]]] = {name: [] for name in blocks}
     for name, lines in blocks.items():
@@ -70,7 +71,7 @@ def counted(text: str, whole: dict, analyse: Analyse) -> float | None:
                     total += trip * inner - counted_once
             done[name] = total
         return done[name]
-    return run(entry)
+    return run(entry), sum(calls.values(), LibraryCalls())
 
 
 def _owners(blocks: dict[str, list[str]], roots: set[str]) -> dict[str, str]:

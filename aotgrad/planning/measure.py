@@ -24,7 +24,7 @@ import jax
 
 from aotgrad._jax_internals import hlo_cost, module_cost
 from aotgrad.devices import DeviceProfile
-from aotgrad.planning.library_calls import array_bytes, library_calls
+from aotgrad.planning.library_calls import array_bytes, arrays, has_library_calls
 from aotgrad.planning.loops import counted
 from aotgrad.xla_buffers import xla_peak
 
@@ -33,7 +33,7 @@ __all__ = ["Measured", "async_slice_excess", "counted_cost", "estimate_step_s", 
 
 # `%x = ((f32[768,2304]{1,0:T(8,128)}), f32[192,2304]{...}, s32[]{...}) slice-start(%w), ...`:
 # the operand's shape, then the slice's (a layout may hold parentheses, never braces).
-_SLICE_START = re.compile(r"= \(\((\w+)\[([\d,]*)\](?:\{[^}]*\})?\), (\w+)\[([\d,]*)\].*? slice-start\(")
+_SLICE_START = re.compile(r"= \(\((\w+\[[\d,]*\])(?:\{[^}]*\})?\), (\w+\[[\d,]*\]).*? slice-start\(")
 
 
 def async_slice_excess(hlo_text: str) -> int:
@@ -46,7 +46,7 @@ def async_slice_excess(hlo_text: str) -> int:
     for line in hlo_text.splitlines():
         m = _SLICE_START.search(line)
         if m:
-            excess += array_bytes(m[1], m[2]) - array_bytes(m[3], m[4])
+            excess += sum(map(array_bytes, arrays(m[1]))) - sum(map(array_bytes, arrays(m[2])))
     return excess
 
 
@@ -89,11 +89,10 @@ def counted_cost(compiled: Any, text: str | None = None) -> dict[str, float]:
     (`loops.counted`; its bytes once, as the analysis counts them). {} where that cannot be
     counted (a warning says why). `text`: `compiled.as_text()`, if already read."""
     text = compiled.as_text() if text is None else text
-    calls = library_calls(text)
-    if " while(" not in text and not calls.count:
+    if " while(" not in text and not has_library_calls(text):
         return (hlo_cost(compiled, generic=True) if _platform(compiled) == "gpu" else {}) or hlo_cost(compiled)
     whole = hlo_cost(compiled, generic=True)
-    flops = counted(text, whole, module_cost)
+    flops, calls = counted(text, whole, module_cost)
     if flops is None or "bytes accessed" not in whole:
         warnings.warn("aotgrad: the step's bytes moved and FLOPs are not known: XLA's cost analysis counts "
                       "a loop's body once and a library call as -1, and counting them needs the host's CPU "
