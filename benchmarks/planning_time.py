@@ -16,12 +16,14 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import time
 from typing import Any, Callable
 
 import jax
 
 import aotgrad
+from benchmarks.records import machine_info, now, versions
 from benchmarks.workloads import gpt
 
 SIZES = {"batch": 1, "seq": 8, "d_model": 16, "heads": 2, "vocab": 32}
@@ -60,9 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
-    header = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "backend": jax.default_backend(),
-              "sizes": SIZES, "repeats": args.repeats}
-    print(f"{header['date']}  jax {header['jax']}  backend {header['backend']}  "
+    header = {"date": now(), "jax": jax.__version__, "backend": jax.default_backend(), "sizes": SIZES,
+              "repeats": args.repeats, "command": "python -m benchmarks.planning_time " + " ".join(argv or sys.argv[1:]),
+              "machine": machine_info(), "versions": versions()}
+    print(f"{header['date'][:10]}  jax {header['jax']}  backend {header['backend']}  "
           f"medians of {args.repeats} interleaved runs")
     print(f"{'layers':>6} {'budget':>6} {'plain s':>8} {'aotgrad s':>9} {'ratio':>6} "
           f"{'plain cpu s':>11} {'aotgrad cpu s':>13} {'cpu ratio':>9}")

@@ -226,3 +226,36 @@ def test_a_marker_reads_the_mixed_precision_columns_of_a_target_file() -> None:
     rows = {(r.workload, r.strategy): r for r in next(r for r in runs if r.name == "h100_autocast").target_rows}
     want = rows[("gpt", "autocast:bf16")].activation_peak / rows[("gpt_bf16", "fused")].activation_peak
     assert abs(ratio - want) < 1e-3, (filled, want)
+
+
+def _planning_file(path: pathlib.Path, jax: str, rows: list[tuple[int, float, float, float]]) -> None:
+    path.write_text(json.dumps({
+        "date": "2026-11-30T12:00:00+00:00", "jax": jax, "backend": "cpu", "repeats": 3,
+        "sizes": {"batch": 1, "seq": 8}, "machine": {"cpu_count": 2, "cpu_model": "Some CPU"},
+        "versions": {"jax": jax, "commit": "abc1234"},
+        "rows": [{"layers": n, "budget": b, "plain_cpu_s": p, "aotgrad_cpu_s": a} for n, b, p, a in rows]}))
+
+
+def test_the_page_shows_planning_time_per_jax_version_with_each_rows_ratio(tmp_path: pathlib.Path) -> None:
+    """Each cell is aotgrad's seconds over its own row's plain lowering (the budgets' plain
+    runs differ), versions in numeric order (0.9 before 0.10), the worst ratio against the goal."""
+    from benchmarks.planning_results import load_planning, planning_section
+    _planning_file(tmp_path / "a.json", "0.10.2", [(12, 1.0, 0.5, 1.0), (12, 0.5, 0.4, 1.4)])
+    _planning_file(tmp_path / "b.json", "0.9.1", [(12, 1.0, 0.5, 0.6), (24, 1.0, 1.0, 3.5)])
+    runs = load_planning(tmp_path)
+    assert [r.jax for r in runs] == ["0.9.1", "0.10.2"]
+    text = "\n".join(planning_section(runs))
+    assert "| 12 | 0.40-0.50 s | 1.00 s (2.0x) | 1.40 s (3.5x) |" in text
+    assert "| 24 | 1.00 s | 3.50 s (3.5x) |" in text
+    assert "At most 3.50x the plain step (over the goal)." in text
+    assert "2-core Some CPU, aotgrad at abc1234" in text
+    page = results_page.render_page(load_dir(), runs)
+    assert "- [Planning time](#planning-time)" in page and text in page
+    assert "Planning time" not in results_page.render_page(load_dir(), [])
+
+
+def test_a_malformed_planning_file_is_an_error_naming_it(tmp_path: pathlib.Path) -> None:
+    from benchmarks.planning_results import load_planning
+    (tmp_path / "bad.json").write_text(json.dumps({"date": "2026-11-30", "rows": [{"layers": 2}]}))
+    with pytest.raises(ResultsError, match=r"bad\.json: not a planning-time file"):
+        load_planning(tmp_path)
