@@ -14,7 +14,7 @@ from jax.extend.core import Jaxpr, JaxprEqn, Literal, Primitive, Var
 
 from aotgrad._jax_internals import bind_eqn, eqn_context, is_jaxpr, open_jaxpr
 
-__all__ = ["CALL_BODIES", "INLINE_RULES", "Rule", "body_of", "eval_jaxpr", "read", "sub_jaxprs"]
+__all__ = ["CALL_BODIES", "INLINE_RULES", "Rule", "body_of", "eval_jaxpr", "inlining", "read", "sub_jaxprs"]
 
 Rule = Callable[[JaxprEqn, list], list]  # (equation, input values) -> output values
 
@@ -79,13 +79,19 @@ def body_of(eqn: JaxprEqn, param: str) -> tuple[Jaxpr, Sequence[Any]]:
     return open_jaxpr(eqn.params[param])
 
 
-# Calls whose bodies are evaluated in place, so the partitioner sees every primitive. The
-# body's equations keep the call's name stack (autocast markers, sequence numbers).
-def _inline(param: str) -> Rule:
-    def rule(eqn: JaxprEqn, invals: list) -> list:
-        with eqn_context(eqn):
-            return eval_jaxpr(*body_of(eqn, param), invals, INLINE_RULES)
-    return rule
+def inlining(extra: Mapping[Primitive, Rule]) -> dict[Primitive, Rule]:
+    """Rules that evaluate calls' bodies in place, so the partitioner sees every primitive,
+    with `extra` at every depth. The body's equations keep the call's name stack (autocast
+    markers, sequence numbers)."""
+    rules: dict[Primitive, Rule] = dict(extra)
+
+    def inline(param: str) -> Rule:
+        def rule(eqn: JaxprEqn, invals: list) -> list:
+            with eqn_context(eqn):
+                return eval_jaxpr(*body_of(eqn, param), invals, rules)
+        return rule
+    rules.update({prim: inline(param) for prim, param in CALL_BODIES.items()})
+    return rules
 
 
-INLINE_RULES: dict[Primitive, Rule] = {prim: _inline(param) for prim, param in CALL_BODIES.items()}
+INLINE_RULES: dict[Primitive, Rule] = inlining({})

@@ -7,13 +7,14 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
+import jax.extend.core.primitives as P
 import numpy as np
 from jax.extend.core import ClosedJaxpr, JaxprEqn
 from jax.tree_util import tree_flatten
 
 from aotgrad._jax_internals import INLINE_WHEN_STAGED, bind_eqn, source_line
 from aotgrad.devices import DeviceProfile, device_count_of
-from aotgrad.interpret import INLINE_RULES, Rule, eval_jaxpr, sub_jaxprs
+from aotgrad.interpret import INLINE_RULES, Rule, eval_jaxpr, inlining, sub_jaxprs
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.shards import Split, input_splits
 from aotgrad.provenance import numbered
@@ -83,7 +84,7 @@ def differentiable(aval: Any) -> bool:
 
 def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[bool],
                 rules: dict | None = None, device: DeviceProfile | None = None,
-                staged: bool = False) -> JointGraph:
+                staged: bool = False, keep_names: bool = False) -> JointGraph:
     """Traces (inputs..., cotangents...) -> (outputs..., cotangents of perturbed inputs...).
 
     `perturbed[i]`: input i is differentiated. `has_ct[j]`: output j receives a cotangent
@@ -93,13 +94,17 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
     equation it comes from (`provenance`). `device` and `staged`: what the programs are
     built for and whether they run as one (`JointGraph`). Nested `jit` / `closed_call`s
     are inlined, so the partitioner sees every primitive: the forward's as they are
-    differentiated, and any a derivative rule makes by a second pass.
+    differentiated, and any a derivative rule makes by a second pass. `checkpoint_name`s
+    outside the user's own `jax.checkpoint` regions are dropped unless `keep_names`: XLA
+    computes nothing for them (no policy reads them there), and as equations of their own
+    they made the estimates write a value XLA:GPU computes in its readers, and the cut price
+    saving a name apart from its value.
     """
     in_avals = list(fwd.in_avals)
     diff_pos = [i for i, p in enumerate(perturbed) if p]
     ct_pos = [j for j, c in enumerate(has_ct) if c]
     ct_avals = [fwd.out_avals[j].strip_weak_type() for j in ct_pos]
-    inline = {**INLINE_RULES, **(rules or {})}
+    inline = {**(INLINE_RULES if keep_names else _UNNAMED_INLINE), **(rules or {})}
 
     def joint(*args: Any) -> tuple[list[Any], list[Any]]:
         inputs, cts = list(args[:len(in_avals)]), args[len(in_avals):]
@@ -123,6 +128,13 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
     devices, splits = input_layout(in_avals, perturbed)
     return JointGraph(closed, n_inputs=len(in_avals), n_outs=len(fwd.out_avals), device=device,
                       staged=staged, devices=devices, input_splits=splits)
+
+
+def _unnamed(eqn: Any, invals: list) -> list:  # a `checkpoint_name` is its operand
+    return invals
+
+
+_UNNAMED_INLINE = inlining({P.name_p: _unnamed})
 
 
 class _Repeated:
@@ -173,7 +185,7 @@ def trace_body_joint(closed: ClosedJaxpr, avals: Sequence[Any], splits: Sequence
     input's split over the step's `devices` (`shards`: the body's bytes per device)."""
     fwd = ForwardTrace(closed, (), tuple(avals), None)
     graph = trace_joint(fwd, tuple(map(differentiable, avals)), tuple(map(differentiable, closed.out_avals)),
-                        device=device)
+                        device=device, keep_names=True)
     return dataclasses.replace(graph, devices=devices, input_splits=tuple(splits))
 
 
