@@ -19,7 +19,7 @@ import re
 __all__ = ["LibraryCalls", "array_bytes", "arrays", "has_library_calls", "library_calls"]
 
 _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
-              "u32": 4, "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1,
+               "u32": 4, "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1,
                "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "c64": 8, "c128": 16}
 
 # `%name = <shape> op(operands), attributes`: a shape may be a tuple; an operand may be
