@@ -104,7 +104,8 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
     diff_pos = [i for i, p in enumerate(perturbed) if p]
     ct_pos = [j for j, c in enumerate(has_ct) if c]
     ct_avals = [fwd.out_avals[j].strip_weak_type() for j in ct_pos]
-    inline = {**(INLINE_RULES if keep_names else _UNNAMED_INLINE), **(rules or {})}
+    base = INLINE_RULES if keep_names else _UNNAMED_INLINE
+    inline = {**base, **(rules or {})}
 
     def joint(*args: Any) -> tuple[list[Any], list[Any]]:
         inputs, cts = list(args[:len(in_avals)]), args[len(in_avals):]
@@ -122,8 +123,8 @@ def trace_joint(fwd: ForwardTrace, perturbed: Sequence[bool], has_ct: Sequence[b
         return outs, list(vjp(full_cts))
 
     closed = jax.make_jaxpr(joint)(*in_avals, *ct_avals)
-    if any(e.primitive in INLINE_RULES for e in closed.jaxpr.eqns):  # a derivative rule's call
-        closed = jax.make_jaxpr(lambda *xs: eval_jaxpr(closed.jaxpr, closed.consts, xs, INLINE_RULES))(
+    if any(e.primitive in base for e in closed.jaxpr.eqns):  # a derivative rule's call (or name)
+        closed = jax.make_jaxpr(lambda *xs: eval_jaxpr(closed.jaxpr, closed.consts, xs, base))(
             *in_avals, *ct_avals)
     devices, splits = input_layout(in_avals, perturbed)
     return JointGraph(closed, n_inputs=len(in_avals), n_outs=len(fwd.out_avals), device=device,
