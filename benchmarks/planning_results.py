@@ -3,11 +3,10 @@ written by `python -m benchmarks.planning_time --out`), as the results page show
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from typing import Any, Mapping, Sequence
 
-from benchmarks.results_files import RESULTS_DIR, ROOT, ResultsError
+from benchmarks.results_files import RESULTS_DIR, ROOT, ResultsError, read_json
 
 __all__ = ["GOAL", "PLANNING_DIR", "PlanningRun", "load_planning", "planning_section"]
 
@@ -36,16 +35,13 @@ def load_planning(directory: pathlib.Path = PLANNING_DIR, root: pathlib.Path = R
 
 
 def _load(path: pathlib.Path, root: pathlib.Path) -> PlanningRun:
-    shown = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+    shown, data = read_json(path, root)
     try:
-        data = json.loads(path.read_text())
         rows = tuple((int(r["layers"]), float(r["budget"]), float(r["plain_cpu_s"]), float(r["aotgrad_cpu_s"]))
                      for r in data["rows"])
         versions = data.get("versions") or {}
         return PlanningRun(shown, str(data["date"]), str(data["jax"]), int(data["repeats"]), dict(data["sizes"]),
                            rows, dict(data.get("machine") or {}), data.get("command"), versions.get("commit"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ResultsError(f"{shown}: not a readable JSON file ({e})") from None
     except (KeyError, TypeError, ValueError) as e:
         raise ResultsError(f"{shown}: not a planning-time file (python -m benchmarks.planning_time --out): "
                            f"{type(e).__name__} {e}") from None
@@ -67,7 +63,8 @@ def planning_section(runs: Sequence[PlanningRun]) -> list[str]:
     for run in runs:
         out += [f"### jax {run.jax}", "", f"From `{run.file}`: {run.date[:10]}, medians of {run.repeats}"
                 + (f", {run.machine.get('cpu_count')}-core {run.machine.get('cpu_model')}" if run.machine else "")
-                + (f", aotgrad at {run.commit}" if run.commit else "") + ".", ""]
+                + (f", aotgrad at {run.commit}" if run.commit else "") + "."
+                + (f" Command: `{run.command}`." if run.command else ""), ""]
         budgets = list(dict.fromkeys(b for _, b, _, _ in run.rows))
         cells = {(layers, b): (plain, ours) for layers, b, plain, ours in run.rows}
         out += ["| layers | plain step | " + " | ".join(f"budget {b:g}" for b in budgets) + " |",

@@ -19,7 +19,7 @@ from benchmarks.records import Row
 from benchmarks.strategies import BuildSeconds, ProgramMemory, SavedBytes
 from benchmarks.targets import TargetRow
 
-__all__ = ["RESULTS_DIR", "ResultsError", "Run", "load_dir", "load_run"]
+__all__ = ["RESULTS_DIR", "ResultsError", "Run", "load_dir", "load_run", "read_json"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "docs" / "results"
@@ -85,8 +85,8 @@ def _field(d: Mapping[str, Any], name: str, where: str) -> Any:
     return d[name]
 
 
-def load_run(path: pathlib.Path, root: pathlib.Path = ROOT) -> Run:
-    """The run a results file holds."""
+def read_json(path: pathlib.Path, root: pathlib.Path = ROOT) -> tuple[str, dict[str, Any]]:
+    """A results file's path as errors show it (from `root`), and its JSON object."""
     shown = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
     try:
         data = json.loads(path.read_text())
@@ -96,6 +96,12 @@ def load_run(path: pathlib.Path, root: pathlib.Path = ROOT) -> Run:
         raise ResultsError(f"{shown}: not a readable JSON file ({e})") from None
     if not isinstance(data, dict):
         raise ResultsError(f"{shown}: expected a JSON object")
+    return shown, data
+
+
+def load_run(path: pathlib.Path, root: pathlib.Path = ROOT) -> Run:
+    """The run a results file holds."""
+    shown, data = read_json(path, root)
     common = {name: _field(data, name, shown) for name in ("date", "command", "machine", "versions")}
     rows = _field(data, "rows", shown)
     if not isinstance(rows, list) or not rows:

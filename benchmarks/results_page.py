@@ -232,12 +232,11 @@ def documents(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
     return [p for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))] if p.exists() and p != PAGE]
 
 
-def stale(runs: Sequence[Run], root: pathlib.Path = ROOT,
-          planning: Sequence[PlanningRun] | None = None) -> dict[pathlib.Path, str]:
-    """Each file that is not what the results make it, with what it should hold (`planning`:
-    the planning-time runs, read from their directory if not given)."""
+def stale(runs: Sequence[Run], root: pathlib.Path = ROOT) -> dict[pathlib.Path, str]:
+    """Each file that is not what the results make it, with what it should hold (the page
+    with the planning-time runs of their directory)."""
     out = {}
-    page = render_page(runs, load_planning() if planning is None else planning)
+    page = render_page(runs, load_planning())
     if not PAGE.exists() or PAGE.read_text() != page:
         out[PAGE] = page
     for doc in documents(root):

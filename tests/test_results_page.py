@@ -232,7 +232,7 @@ def _planning_file(path: pathlib.Path, jax: str, rows: list[tuple[int, float, fl
     path.write_text(json.dumps({
         "date": "2026-11-30T12:00:00+00:00", "jax": jax, "backend": "cpu", "repeats": 3,
         "sizes": {"batch": 1, "seq": 8}, "machine": {"cpu_count": 2, "cpu_model": "Some CPU"},
-        "versions": {"jax": jax, "commit": "abc1234"},
+        "versions": {"jax": jax, "commit": "abc1234"}, "command": f"python -m benchmarks.planning_time --jax {jax}",
         "rows": [{"layers": n, "budget": b, "plain_cpu_s": p, "aotgrad_cpu_s": a} for n, b, p, a in rows]}))
 
 
@@ -248,7 +248,7 @@ def test_the_page_shows_planning_time_per_jax_version_with_each_rows_ratio(tmp_p
     assert "| 12 | 0.40-0.50 s | 1.00 s (2.0x) | 1.40 s (3.5x) |" in text
     assert "| 24 | 1.00 s | 3.50 s (3.5x) |" in text
     assert "At most 3.50x the plain step (over the goal)." in text
-    assert "2-core Some CPU, aotgrad at abc1234" in text
+    assert "2-core Some CPU, aotgrad at abc1234. Command: `python -m benchmarks.planning_time --jax 0.9.1`." in text
     page = results_page.render_page(load_dir(), runs)
     assert "- [Planning time](#planning-time)" in page and text in page
     assert "Planning time" not in results_page.render_page(load_dir(), [])
