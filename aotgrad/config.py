@@ -292,6 +292,10 @@ class Config:
         overrides = self._overrides.get()
         return keyed_only(overrides) if overrides else ()
 
+    def state(self) -> tuple[int, tuple[tuple[str, Any], ...]]:
+        """What `snapshot` is cached on: the defaults' version and this context's overrides."""
+        return self._version, self._overrides.get()
+
     def snapshot(self) -> Snapshot:
         """The effective options for the current context (cheap: cached per state)."""
         overrides = self._overrides.get()

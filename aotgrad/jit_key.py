@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from aotgrad._jax_internals import Tracer, jit_key_state
 
-__all__ = ["check", "set_autocast", "set_autocast_default", "set_defaults", "set_hooks", "set_overrides"]
+__all__ = ["check", "mirrored", "set_autocast", "set_autocast_default", "set_defaults", "set_hooks", "set_overrides"]
 
 _DEFAULTS = jit_key_state("aotgrad_config_defaults", ())
 _OVERRIDES = jit_key_state("aotgrad_config_overrides", ())
@@ -53,6 +53,11 @@ def set_autocast(state: Any) -> None:
 def set_autocast_default(state: Any) -> None:
     """The autocast state outside every context."""
     _AUTOCAST.set_global(state)
+
+
+def mirrored() -> tuple[Any, Any]:
+    """The mirrored overrides and autocast state of this thread, as `check` compares them."""
+    return _OVERRIDES.value, _AUTOCAST.value
 
 
 def check(overrides: tuple[tuple[str, Any], ...], autocast: Any, leaves: Sequence[Any], name: str) -> None:

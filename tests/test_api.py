@@ -291,6 +291,33 @@ def test_repeated_calls_count_as_hits_and_keep_the_least_recent_evicted():
         assert f.cache_info().misses == 4
 
 
+def test_a_repeated_call_is_served_only_while_its_state_holds():
+    # The latest call is recognised without building its key (same tree, leaf types and
+    # state); a changed option default, patch, autocast or leaf type must miss it.
+    f = aotgrad.compile(lambda x: jnp.sum(jnp.tanh(x) ** 2))
+    x = jnp.ones(3)
+
+    def misses_after(call: collections.abc.Callable[[], typing.Any]) -> int:
+        call()
+        return f.cache_info().misses
+
+    assert misses_after(lambda: (f(x), f(x))) == 1
+    old = aotgrad.config.activation_memory_budget
+    try:
+        aotgrad.config.activation_memory_budget = 0.5  # a default that changes programs
+        assert misses_after(lambda: f(x)) == 2
+    finally:
+        aotgrad.config.activation_memory_budget = old
+    with aotgrad.config.patch(partitioner="vjp"):
+        assert misses_after(lambda: f(x)) == 3
+    with aotgrad.autocast("cpu"):
+        assert misses_after(lambda: f(x)) == 4
+    assert misses_after(lambda: f(x)) == 4  # the first entry, now the latest call
+    assert misses_after(lambda: f(x.astype(jnp.bfloat16))) == 5
+    assert misses_after(lambda: f(jnp.ones(3, jnp.int32).astype(jnp.float32))) == 5  # x's type again
+    assert f.cache_info().hits == 3
+
+
 def test_log_recompiles_names_the_cause(caplog):
     f = aotgrad.compile(lambda params, x: jnp.sum(params["w"] * x))
     with aotgrad.config.patch(log_recompiles=True), caplog.at_level(logging.WARNING, "aotgrad"):
@@ -538,6 +565,7 @@ def test_argument_types_are_keyed_exactly_through_the_key_cache(monkeypatch):
     the same types hit, with JAX's values."""
     from aotgrad import signature
     monkeypatch.setattr(signature, "_MAX_KEYS", 2)
+    monkeypatch.setattr(signature, "_KEYS", {})  # (whatever earlier tests left, it fills up here)
     f = aotgrad.compile(lambda x: jnp.sum(jnp.sin(x) * 2))
     cases = [jnp.ones(3), jnp.ones(3, jnp.bfloat16), jnp.ones(4), jnp.array(1.0, jnp.float32), 1.0]
     for _ in range(2):

@@ -13,7 +13,7 @@ import jax
 from jax.tree_util import tree_unflatten
 
 from aotgrad import jit_key
-from aotgrad._jax_internals import Tracer
+from aotgrad._jax_internals import ArrayImpl, Tracer
 from aotgrad.autocast.context import current_setting, current_state
 from aotgrad.compilation_cache import ensure_compilation_cache
 from aotgrad.config import Snapshot, config
@@ -40,6 +40,35 @@ class CacheInfo:
     backwards: int = 0
 
 
+def _context() -> tuple[Any, ...]:
+    """The state a call's key reads besides its arguments: the options' (`config.state`),
+    the autocast state, and their mirror in JAX's jit key (`jit_key.mirrored`)."""
+    return (*config.state(), current_state(), *jit_key.mirrored())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _LastCall:
+    """The latest call, which the next call of a loop repeats: recognised without building
+    its key, by the same static arguments and tree, leaves of the same types (one object
+    per type: JAX interns them), and the same state (`_context`) as then."""
+    key: CallKey
+    entry: Entry
+    avals: tuple[Any, ...]  # per leaf its type; None where a leaf is not a concrete array
+    context: tuple[Any, ...]
+
+    def repeated_by(self, static: tuple, in_tree: Any, leaves: list) -> bool:
+        if static != self.key.static or in_tree != self.key.in_tree or len(leaves) != len(self.avals):
+            return False
+        for x, aval in zip(leaves, self.avals):
+            if type(x) is not ArrayImpl or x.aval is not aval:
+                return False
+        return _context() == self.context  # (identical objects compare at once)
+
+
+def _last_call(key: CallKey, entry: Entry, leaves: list, context: tuple[Any, ...]) -> _LastCall:
+    return _LastCall(key, entry, tuple(x.aval if type(x) is ArrayImpl else None for x in leaves), context)
+
+
 def _needed_concrete(error: Exception) -> bool:
     """Whether tracing failed for want of a concrete value: JAX's concretization errors, and
     the IndexError of a slice whose bound is a tracer (its message shows the tracer,
@@ -62,7 +91,7 @@ class EntryCache:
         self.hooks = hooks  # the function's hooks, read by its entries when a forward runs
         self.entries: collections.OrderedDict[CallKey, Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._last: tuple[CallKey, Entry] | None = None  # the latest call's key and entry
+        self._last: _LastCall | None = None  # the latest call's key and entry
         self._warned_eviction = False
         self._noted_identity = False
         self._hits = self._misses = 0
@@ -76,13 +105,13 @@ class EntryCache:
         (closed-over values, then argument leaves)."""
         static, dyn_args, dyn_kwargs = self.spec.split(args, kwargs)
         leaves, in_tree = self.spec.flatten(dyn_args, dyn_kwargs)
+        last = self._last  # (one read: another thread may replace it)
+        if last is not None and last.repeated_by(static, in_tree, leaves):  # a loop's calls
+            self._hits += 1
+            return last.entry, (*last.entry.fwd.consts, *leaves)
         snapshot = config.snapshot()
         jit_key.check(config.keyed_overrides(), current_state(), leaves, self.name)
         key = CallKey(static, in_tree, tuple(map(leaf_key, leaves)), snapshot.key, current_setting())
-        last = self._last  # (one read: another thread may replace it)
-        if last is not None and last[0] == key:  # a loop's calls: no hashing, already most recent
-            self._hits += 1
-            return last[1], (*last[1].fwd.consts, *leaves)
         entry = self.entries.get(key)  # hit path without the lock: dict reads are atomic
         if entry is not None:
             try:
@@ -90,7 +119,7 @@ class EntryCache:
             except KeyError:  # evicted by another thread meanwhile; still valid for this call
                 pass
             self._hits += 1
-            self._last = (key, entry)
+            self._last = _last_call(key, entry, leaves, _context())
         else:
             entry = self._build(key, snapshot, len(args), leaves)
         return entry, (*entry.fwd.consts, *leaves)
@@ -102,7 +131,7 @@ class EntryCache:
         ensure_compilation_cache()
         with self._lock:
             self._misses += 1
-            last = self._last[0] if self._last is not None else None
+            last = self._last.key if self._last is not None else None
             cached = list(self.entries)
         if snapshot.log_recompiles and last is not None:
             # Blame the difference from the nearest cached key (fewest differing fields).
@@ -120,7 +149,7 @@ class EntryCache:
             return entry  # closes over an enclosing transform's tracers: valid for this call only
         with self._lock:
             self.entries[key] = entry
-            self._last = (key, entry)
+            self._last = _last_call(key, entry, leaves, _context())
             self._evict(snapshot.cache_size_limit)
         return entry
 
