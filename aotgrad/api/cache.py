@@ -40,33 +40,33 @@ class CacheInfo:
     backwards: int = 0
 
 
-def _context() -> tuple[Any, ...]:
-    """The state a call's key reads besides its arguments: the options' (`config.state`),
-    the autocast state, and their mirror in JAX's jit key (`jit_key.mirrored`)."""
-    return (*config.state(), current_state(), *jit_key.mirrored())
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class _LastCall:
     """The latest call, which the next call of a loop repeats: recognised without building
     its key, by the same static arguments and tree, leaves of the same types (one object
-    per type: JAX interns them), and the same state (`_context`) as then."""
+    per type: JAX interns them), and the same state as then: the options' (`config.state`),
+    the autocast state, and their mirror in JAX's jit key (`jit_key.mirrored`)."""
     key: CallKey
     entry: Entry
     avals: tuple[Any, ...]  # per leaf its type; None where a leaf is not a concrete array
-    context: tuple[Any, ...]
+    options: tuple[Any, ...] = dataclasses.field(default_factory=config.state)
+    autocast: Any = dataclasses.field(default_factory=current_state)
+    mirror: tuple[Any, Any] = dataclasses.field(default_factory=jit_key.mirrored)
 
     def repeated_by(self, static: tuple, in_tree: Any, leaves: list) -> bool:
-        if static != self.key.static or in_tree != self.key.in_tree or len(leaves) != len(self.avals):
+        key = self.key
+        if static != key.static or in_tree != key.in_tree or len(leaves) != len(self.avals):
             return False
         for x, aval in zip(leaves, self.avals):
             if type(x) is not ArrayImpl or x.aval is not aval:
                 return False
-        return _context() == self.context  # (identical objects compare at once)
+        return (current_state() is self.autocast and config.state() == self.options
+                and jit_key.mirrored() == self.mirror)  # (identical objects compare at once)
 
 
-def _last_call(key: CallKey, entry: Entry, leaves: list, context: tuple[Any, ...]) -> _LastCall:
-    return _LastCall(key, entry, tuple(x.aval if type(x) is ArrayImpl else None for x in leaves), context)
+def _last_call(key: CallKey, entry: Entry, leaves: list) -> _LastCall:
+    """The call just resolved, in the state now in force."""
+    return _LastCall(key, entry, tuple(x.aval if type(x) is ArrayImpl else None for x in leaves))
 
 
 def _needed_concrete(error: Exception) -> bool:
@@ -119,7 +119,7 @@ class EntryCache:
             except KeyError:  # evicted by another thread meanwhile; still valid for this call
                 pass
             self._hits += 1
-            self._last = _last_call(key, entry, leaves, _context())
+            self._last = _last_call(key, entry, leaves)
         else:
             entry = self._build(key, snapshot, len(args), leaves)
         return entry, (*entry.fwd.consts, *leaves)
@@ -149,7 +149,7 @@ class EntryCache:
             return entry  # closes over an enclosing transform's tracers: valid for this call only
         with self._lock:
             self.entries[key] = entry
-            self._last = _last_call(key, entry, leaves, _context())
+            self._last = _last_call(key, entry, leaves)
             self._evict(snapshot.cache_size_limit)
         return entry
 
