@@ -315,7 +315,12 @@ def test_a_repeated_call_is_served_only_while_its_state_holds():
     assert misses_after(lambda: f(x)) == 4  # the first entry, now the latest call
     assert misses_after(lambda: f(x.astype(jnp.bfloat16))) == 5
     assert misses_after(lambda: f(jnp.ones(3, jnp.int32).astype(jnp.float32))) == 5  # x's type again
-    assert f.cache_info().hits == 3
+    assert misses_after(lambda: f(x=x)) == 6  # the same leaf as a keyword: another tree
+    assert misses_after(lambda: f(x)) == 6
+    assert f.cache_info().hits == 4
+    g = aotgrad.compile(lambda p, s: jnp.sum(p["w"] * s), static_argnums=1)
+    w = {"w": x}
+    assert (g(w, 2.0), g(w, 2.0), g(w, 3.0)) and (g.cache_info().misses, g.cache_info().hits) == (2, 1)
 
 
 def test_log_recompiles_names_the_cause(caplog):

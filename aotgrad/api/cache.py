@@ -5,9 +5,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import operator
 import threading
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 from jax.tree_util import tree_unflatten
@@ -45,17 +46,26 @@ class _LastCall:
     """The latest call, which the next call of a loop repeats: recognised without building
     its key, by the same static arguments and tree, leaves of the same types (one object
     per type: JAX interns them), and the same state as then: the options' (`config.state`),
-    the autocast state, and their mirror in JAX's jit key (`jit_key.mirrored`)."""
+    the autocast state, and their mirror in JAX's jit key (`jit_key.mirrored`). `direct`:
+    its leaves were its positional arguments (arrays only, no keywords, nothing static),
+    so a call of arrays of the same types repeats it before it is flattened."""
     key: CallKey
     entry: Entry
     avals: tuple[Any, ...]  # per leaf its type; None where a leaf is not a concrete array
+    direct: bool
     options: tuple[Any, ...] = dataclasses.field(default_factory=config.state)
     autocast: Any = dataclasses.field(default_factory=current_state)
     mirror: tuple[Any, Any] = dataclasses.field(default_factory=jit_key.mirrored)
 
-    def repeated_by(self, static: tuple, in_tree: Any, leaves: list) -> bool:
+    def repeated_by(self, static: tuple, in_tree: Any, leaves: Sequence[Any]) -> bool:
         key = self.key
-        if static != key.static or in_tree != key.in_tree or len(leaves) != len(self.avals):
+        return static == key.static and in_tree == key.in_tree and self._same(leaves)
+
+    def repeated_directly(self, args: tuple, kwargs: dict) -> bool:
+        return self.direct and not kwargs and self._same(args)
+
+    def _same(self, leaves: Sequence[Any]) -> bool:
+        if len(leaves) != len(self.avals):
             return False
         for x, aval in zip(leaves, self.avals):
             if type(x) is not ArrayImpl or x.aval is not aval:
@@ -64,9 +74,10 @@ class _LastCall:
                 and jit_key.mirrored() == self.mirror)  # (identical objects compare at once)
 
 
-def _last_call(key: CallKey, entry: Entry, leaves: list) -> _LastCall:
+def _last_call(key: CallKey, entry: Entry, args: tuple, kwargs: dict, leaves: list) -> _LastCall:
     """The call just resolved, in the state now in force."""
-    return _LastCall(key, entry, tuple(x.aval if type(x) is ArrayImpl else None for x in leaves))
+    direct = not kwargs and not key.static and len(args) == len(leaves) and all(map(operator.is_, args, leaves))
+    return _LastCall(key, entry, tuple(x.aval if type(x) is ArrayImpl else None for x in leaves), direct)
 
 
 def _needed_concrete(error: Exception) -> bool:
@@ -103,10 +114,13 @@ class EntryCache:
     def resolve(self, args: tuple, kwargs: dict) -> tuple[Entry, tuple[Any, ...]]:
         """The entry of this call's signature (traced on a miss) and its flat inputs
         (closed-over values, then argument leaves)."""
+        last = self._last  # (one read: another thread may replace it)
+        if last is not None and last.repeated_directly(args, kwargs):  # a loop's calls
+            self._hits += 1
+            return last.entry, (*last.entry.fwd.consts, *args)
         static, dyn_args, dyn_kwargs = self.spec.split(args, kwargs)
         leaves, in_tree = self.spec.flatten(dyn_args, dyn_kwargs)
-        last = self._last  # (one read: another thread may replace it)
-        if last is not None and last.repeated_by(static, in_tree, leaves):  # a loop's calls
+        if last is not None and last.repeated_by(static, in_tree, leaves):
             self._hits += 1
             return last.entry, (*last.entry.fwd.consts, *leaves)
         snapshot = config.snapshot()
@@ -119,13 +133,14 @@ class EntryCache:
             except KeyError:  # evicted by another thread meanwhile; still valid for this call
                 pass
             self._hits += 1
-            self._last = _last_call(key, entry, leaves)
+            self._last = _last_call(key, entry, args, kwargs, leaves)
         else:
-            entry = self._build(key, snapshot, len(args), leaves)
+            entry = self._build(key, snapshot, args, kwargs, leaves)
         return entry, (*entry.fwd.consts, *leaves)
 
-    def _build(self, key: CallKey, snapshot: Snapshot, n_args: int, leaves: list) -> Entry:
+    def _build(self, key: CallKey, snapshot: Snapshot, args: tuple, kwargs: dict, leaves: list) -> Entry:
         """Cache miss: traces the forward and stores a new entry."""
+        n_args = len(args)
         if not self.spec.fixed_arity:  # *args: the positions donated must be among this call's
             check_in_range(f"aotgrad.compile({self.name})", "donate_argnums", self.donate_argnums, n_args)
         ensure_compilation_cache()
@@ -149,7 +164,7 @@ class EntryCache:
             return entry  # closes over an enclosing transform's tracers: valid for this call only
         with self._lock:
             self.entries[key] = entry
-            self._last = _last_call(key, entry, leaves)
+            self._last = _last_call(key, entry, args, kwargs, leaves)
             self._evict(snapshot.cache_size_limit)
         return entry
 
