@@ -102,7 +102,7 @@ class EntryCache:
         self.hooks = hooks  # the function's hooks, read by its entries when a forward runs
         self.entries: collections.OrderedDict[CallKey, Entry] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._last: _LastCall | None = None  # the latest call's key and entry
+        self._last: _LastCall | None = None  # the latest call, which the next may repeat
         self._warned_eviction = False
         self._noted_identity = False
         self._hits = self._misses = 0
