@@ -5,7 +5,8 @@ under `jax.jit` the fused step's plan (outside scans nothing is recomputed, so t
 moves what `jax.jit(jax.value_and_grad(f))` moves); where they run apart the cheapest cut.
 Below 1 the budget spans the step's peak memory, as estimated before compiling
 (`peak.py`): P1 is the estimated peak of the cut that moves the fewest bytes by the cost
-model (`Problem.cheapest_cut`), P0 the lowest among the candidates, and a budget b < 1
+model (`Problem.cheapest_cut`; where the programs run apart, budget 1's plan, so no rung
+saves more than it), P0 the lowest among the candidates, and a budget b < 1
 takes the cheapest candidate whose estimated peak is at most P0 + b x (P1 - P0). So a
 budget just below 1 is the cheapest cut where it is the only candidate (P0 = P1: small
 graphs), else the candidate just below it; the cheapest cut itself is then reached by a
@@ -134,9 +135,10 @@ def _greedy(problem: Problem, start: Cut, relaxed: np.ndarray) -> list[Cut]:
     return cuts
 
 
-def _runtime_cost(cut: Cut, relaxed: np.ndarray) -> float:
-    """Traffic for saving plus the cost of every recomputed equation."""
-    return float(cut.problem.save_costs[cut.positions].sum() + relaxed[list(cut.recomputed)].sum())
+def _runtime_cost(problem: Problem, cut: Cut, relaxed: np.ndarray) -> float:
+    """Traffic for saving plus the cost of every recomputed equation, priced by `problem`
+    (budget 1's cut run apart is solved on `Problem.crossing`: the same values, other prices)."""
+    return float(problem.save_costs[cut.positions].sum() + relaxed[list(cut.recomputed)].sum())
 
 
 def _priced(problem: Problem, relaxed: np.ndarray, free: np.ndarray | None = None,
@@ -255,15 +257,15 @@ def _choice(problem: Problem, cut: Cut, relaxed: np.ndarray, stacked: bool, seen
         by_traffic = problem.graph.device is not None and problem.graph.device.ranks_by_traffic
         step = None if stacked else step_programs(cut)
         peak = cut.activation_bytes if stacked else estimate(step)
-        seen[key] = Choice(cut, peak, _runtime_cost(cut, relaxed), step if by_traffic else None)
+        seen[key] = Choice(cut, peak, _runtime_cost(problem, cut, relaxed), step if by_traffic else None)
     return seen[key]
 
 
 def choices(problem: Problem, stacked: bool = False, near: float | None = None) -> list[Choice]:
     """The candidates a budget chooses from (of `ladder_of`'s), by estimated peak from lowest
-    to highest (the cheapest cut last): each cheaper to run and saving no fewer bytes than
+    to highest (the top last: `ladder_of`): each cheaper to run and saving no fewer bytes than
     the one before, so that the step's peak, the saved bytes and the speed all rise with
-    the budget. The cheapest cut is always kept. Where two neighbours' peaks lie far apart,
+    the budget. The top is always kept. Where two neighbours' peaks lie far apart,
     blends of the two fill the gap (`blends.between`). `stacked`: the graph is a scan body. Its
     saved values are stacked over the iterations and outweigh one iteration's working set,
     so there the saved bytes stand for the peak, and the scan's own schedule
@@ -302,11 +304,15 @@ class Ladder:
 def ladder_of(problem: Problem, stacked: bool = False) -> Ladder:
     """The candidates (`ladder`, `_with_boundaries`; blends too outside scan bodies), each
     with its estimated step peak (saved bytes for a scan body: `stacked`) and cost, and
-    the ladder kept of them."""
+    the ladder kept of them. The first candidate tops the ladder (`kept_of`): the cheapest
+    cut, or where the programs run apart budget 1's plan (`Problem.top_cut`), which a
+    device's traffic pricing makes save less than the cheapest cut: every saved value is
+    held to the backward's end there, and a rung saving more peaked above budget 1."""
     relaxed = problem.recompute_costs(allow_costly=True)
     free = boundaries(problem)
     seen: dict[frozenset, Choice] = {}  # by saved set: each estimated once, the blends' too
-    found = _estimated(problem, ladder(problem, relaxed) + _with_boundaries(problem, relaxed, stacked, free),
+    top = [] if stacked or problem.graph.staged else [problem.top_cut(stacked)]  # apart: the ladder's top
+    found = _estimated(problem, top + ladder(problem, relaxed) + _with_boundaries(problem, relaxed, stacked, free),
                        relaxed, stacked, seen)
     if stacked:
         return Ladder(found, kept_of(found), None)
@@ -321,13 +327,13 @@ def ladder_of(problem: Problem, stacked: bool = False) -> Ladder:
 
 
 def kept_of(found: list[Choice]) -> list[Choice]:
-    """The ladder `choices` keeps of the candidates `ladder_of` found (the cheapest cut first)."""
-    cheapest, *rest = found
+    """The ladder `choices` keeps of the candidates `ladder_of` found (its top first)."""
+    top, *rest = found
     kept: list[Choice] = []
     floor = 0.0  # the lowest peak among candidates about as low as kept[-1]'s
     for c in sorted(rest, key=lambda c: (c.peak, c.cost, -c.saved)):
-        if c.peak >= cheapest.peak * (1 - SAME_PEAK):
-            continue  # no lower than the cheapest cut's, for more work
+        if c.peak >= top.peak * (1 - SAME_PEAK):
+            continue  # no lower than the top's, for more work
         if kept and c.peak <= floor * (1 + SAME_PEAK):  # about the same peak: the cheaper one
             before = kept[-2].saved if len(kept) > 1 else 0
             if c.cheaper_than(kept[-1]) and c.saved >= before:
@@ -335,9 +341,9 @@ def kept_of(found: list[Choice]) -> list[Choice]:
         elif not kept or (c.cheaper_than(kept[-1]) and c.saved >= kept[-1].saved):
             kept.append(c)
             floor = c.peak
-    while kept and kept[-1].saved > cheapest.saved:
+    while kept and kept[-1].saved > top.saved:
         kept.pop()
-    return kept + [cheapest]
+    return kept + [top]
 
 
 def within_budget(problem: Problem, budget: Budget, stacked: bool = False) -> dict[Var, str]:
