@@ -187,9 +187,9 @@ _OPTIONS: dict[str, Option] = {o.name: o for o in (
            "so a jitted step costs what jax.jit(jax.value_and_grad(f)) costs). Below 1, where "
            "the step peak may lie, between the lowest it estimates (0: matmuls recomputed, "
            "layer boundaries saved) and that of its cheapest cut (just below 1: cheap work "
-           "recomputed; run apart, budget 1's plan); it takes the cheapest cut within. Or a byte size per device (an int "
-           "above 1, or '12GB', '512MiB'): the cheapest cut whose estimated step peak on one "
-           "device fits.",
+           "recomputed; run apart, budget 1's plan); it takes the cheapest cut within. Or a "
+           "byte size per device (an int above 1, or '12GB', '512MiB'): the cheapest cut whose "
+           "estimated step peak on one device fits.",
            keyed=True),
     Option("backward_pass_autocast", "same_as_forward", _backward_pass_autocast, _env_json_or_text,
            "Autocast context the backward program is built under: 'same_as_forward', 'off', "

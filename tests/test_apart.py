@@ -148,9 +148,8 @@ def test_run_apart_a_lower_budget_never_peaks_above_budget_1(monkeypatch: Any, k
     compile-only H100, its B16 x 1024 version's budget 0.5 at 1.24x)."""
     from aotgrad import devices
     gpu = profile_named("h100")
-    monkeypatch.setattr(devices, "PROFILES", tuple(
-        dataclasses.replace(p, matmul_operands_cost=gpu.matmul_operands_cost, row_reductions_fuse=gpu.row_reductions_fuse)
-        for p in devices.PROFILES))
+    priced = {"matmul_operands_cost": gpu.matmul_operands_cost, "row_reductions_fuse": gpu.row_reductions_fuse}
+    monkeypatch.setattr(devices, "PROFILES", tuple(dataclasses.replace(p, **priced) for p in devices.PROFILES))
     w = build(kind, kind, sizes)
     saved, peaks = [], []
     for budget in (1.0, 0.75, 0.5, 0.0):
