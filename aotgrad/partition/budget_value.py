@@ -1,5 +1,6 @@
 """What an `activation_memory_budget` is: a fraction of the way from the lowest estimated
-step peak to the cheapest cut's (1: the fused step's plan), or a number of bytes; and how
+step peak to the cheapest cut's (run apart: budget 1's plan's; 1: budget 1's plan, the
+fused step's under `jax.jit`), or a number of bytes; and how
 a byte size is written ("12GB", "512MiB"). Which cut a budget takes is `budget.py`'s."""
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ class Bytes:
         return f"{self.n:,} bytes"
 
 
-# A fraction in [0, 1]: 1 the fused step's plan, below it between the lowest and the
-# cheapest cut's estimated peak (`budget.py`). Or bytes.
+# A fraction in [0, 1]: 1 the fused step's plan (run apart: the cut cheapest in what crosses),
+# below it between the lowest and the cheapest cut's estimated peak (run apart: budget 1's
+# plan's; `budget.py`). Or bytes.
 Budget = Union[float, Bytes]
 
 
