@@ -17,12 +17,11 @@ import functools
 
 import jax.extend.core.primitives as P
 import numpy as np
-import scipy.sparse
 from jax.extend.core import JaxprEqn, Var
-from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from aotgrad.partition import costs
 from aotgrad.partition.budget_value import FUSED_REASON, Budget, is_fused_plan
+from aotgrad.partition.flow import INF, Network
 from aotgrad.partition.fusion import deps
 from aotgrad.partition.graph import JointGraph
 from aotgrad.partition.rules import FLOAT_EQUALITY, Kind, kind_of
@@ -30,7 +29,6 @@ from aotgrad.partition.scan import is_cut_scan
 
 __all__ = ["Cut", "Problem", "min_cut"]
 
-_INF = 2 ** 30  # larger than any finite cut: scipy's max-flow takes int32 capacities
 _FINITE_TOTAL = 2 ** 28  # finite capacities are scaled to sum to at most this
 # Equations XLA emits as a bitcast of their operand's buffer (row-major layouts): a reshape
 # of an input is a view of an array held the whole step, so recomputing it writes nothing.
@@ -212,35 +210,32 @@ class Problem:
         """Budget 1's saved values (`top`, what `top_cut(stacked)` gave), each with its reason."""
         return top.reasons(FUSED_REASON) if self.graph.staged and not stacked else top.reasons()
 
-    def solve(self, save: np.ndarray, recompute: np.ndarray) -> "Cut":
-        """The minimum cut for these capacities (per value, per equation; inf allowed)."""
+    @functools.cached_property
+    def network(self) -> Network:
+        """The flow network (laid out once): source -> equation (its recompute cost), equation
+        -> each value it makes (the value's save cost), value -> each equation reading it and
+        each value the backward reads -> sink (both infinite)."""
         n_e, n_v = len(self.eqns), len(self.values)
         enode = 2 + np.arange(n_e)
         vnode = 2 + n_e + np.arange(n_v)
         rows = np.concatenate([np.zeros(n_e, np.int64), enode[self.producer], vnode[self.edges[0]],
                                vnode[self.needed]])
         cols = np.concatenate([enode, vnode, enode[self.edges[1]], np.ones(len(self.needed), np.int64)])
+        return Network(rows, cols, 2 + n_e + n_v)
+
+    def solve(self, save: np.ndarray, recompute: np.ndarray) -> "Cut":
+        """The minimum cut for these capacities (per value, per equation; inf allowed)."""
+        n_e = len(self.eqns)
         caps = _to_int(np.concatenate([recompute, save, np.full(len(self.edges[0]) + len(self.needed), np.inf)]))
-        keep = caps > 0
-        n = 2 + n_e + n_v
-        capacity = scipy.sparse.coo_matrix((caps[keep], (rows[keep], cols[keep])), shape=(n, n)).tocsr()
-        capacity.sum_duplicates()
-        capacity.data = np.minimum(capacity.data, _INF).astype(np.int32)
-        flow = maximum_flow(capacity, 0, 1).flow
-        residual = (capacity.astype(np.int64) - flow.astype(np.int64)).tocsr()
-        residual.data = (residual.data > 0).astype(np.int8)
-        residual.eliminate_zeros()
-        reachable = np.zeros(n, bool)
-        reachable[breadth_first_order(residual, 0, directed=True, return_predecessors=False)] = True
-        source_side = reachable[enode]
-        saved = source_side[self.producer] & ~reachable[vnode]
+        reachable = self.network.source_side(caps)
+        saved = reachable[2:2 + n_e][self.producer] & ~reachable[2 + n_e:]
         return Cut(self, frozenset(self.values[k] for k in np.flatnonzero(saved)))
 
 
 def _to_int(c: np.ndarray) -> np.ndarray:
     finite = np.isfinite(c)
     scale = max(1.0, float(c[finite].sum()) / _FINITE_TOTAL)
-    out = np.full(c.shape, _INF, np.int64)
+    out = np.full(c.shape, INF, np.int64)
     out[finite] = np.ceil(c[finite] / scale)
     return out
 
