@@ -155,16 +155,18 @@ def _split_operands(a: Arrays, idx: np.ndarray, first_read: np.ndarray, m: int) 
     none (or if that operand is an argument, which is never a temporary). `first_read`:
     per step, the value its first operand is (-1: an argument or none)."""
     part_of = np.full(m, -1, np.int64)
-    made_start = np.cumsum(a.out_ptr[idx + 1] - a.out_ptr[idx]) - (a.out_ptr[idx + 1] - a.out_ptr[idx])
-    for p in np.flatnonzero(a.splits[idx] | a.views[idx]).tolist():
-        u = first_read[p]
-        count = a.out_ptr[idx[p] + 1] - a.out_ptr[idx[p]]
-        if u < 0 or not count:
-            continue
-        if a.splits[idx[p]]:
-            part_of[made_start[p]:made_start[p] + count] = u
-        elif part_of[u] >= 0:
-            part_of[made_start[p]] = part_of[u]
+    counts = a.out_ptr[idx + 1] - a.out_ptr[idx]
+    made_start = np.cumsum(counts) - counts
+    splits = np.flatnonzero(a.splits[idx] & (first_read >= 0) & (counts > 0))
+    part_of[_ranges(made_start[splits], counts[splits])] = np.repeat(first_read[splits], counts[splits])
+    views = np.flatnonzero(a.views[idx] & ~a.splits[idx] & (first_read >= 0) & (counts > 0))
+    u, made = first_read[views], made_start[views]
+    while len(views):  # a view of a part, then a view of that view: one link of the chain a round
+        through = part_of[u]
+        new = (through >= 0) & (part_of[made] != through)
+        if not new.any():
+            break
+        part_of[made[new]] = through[new]
     return part_of
 
 
