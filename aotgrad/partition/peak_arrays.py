@@ -161,7 +161,7 @@ def _split_operands(a: Arrays, idx: np.ndarray, first_read: np.ndarray, m: int) 
     part_of[_ranges(made_start[splits], counts[splits])] = np.repeat(first_read[splits], counts[splits])
     views = np.flatnonzero(a.views[idx] & ~a.splits[idx] & (first_read >= 0) & (counts > 0))
     u, made = first_read[views], made_start[views]
-    while len(views):  # a view of a part, then a view of that view: one link of the chain a round
+    while True:  # a view of a part, then a view of that view: one link of the chain a round
         through = part_of[u]
         new = (through >= 0) & (part_of[made] != through)
         if not new.any():
