@@ -308,3 +308,27 @@ def test_the_estimates_benchmark_compiles_the_candidate_budget_0_takes() -> None
         with aotgrad.config.patch(partitioner=estimates.PARTITIONER):
             pass
     assert estimates.summary(result)[0].startswith(f"budget 0 takes candidate {ours['rank']}")
+
+
+def test_the_estimates_benchmark_compiles_a_band_and_weighs_the_traffic() -> None:
+    """`benchmarks.estimates --band LO,HI`: the candidates estimated to peak in the band are
+    compiled (with budget 0's, and none of the lowest when `--compile 0`), each with XLA's
+    bytes moved and FLOPs beside the estimated traffic that every row has; the summary says
+    how many compiled pairs the traffic estimate ranks otherwise than the compiler."""
+    import argparse
+    from benchmarks import estimates
+    sizes = dict(batch=2, seq=32, d_model=32, heads=2, layers=2, vocab=64)
+    first = estimates.measure("gpt", "gpt", sizes, "cpu", compile_lowest=0, log=lambda s: None)
+    top = max(r["estimated_peak"] for r in first["rows"])
+    result = estimates.measure("gpt", "gpt", sizes, "cpu", compile_lowest=0, log=lambda s: None, band=(top, top))
+    compiled = {r["rank"] for r in result["rows"] if r["compiled_peak"] is not None}
+    wanted = {r["rank"] for r in result["rows"] if r["estimated_peak"] == top or r["budget_0"]}
+    assert compiled == wanted, (compiled, wanted)
+    for r in result["rows"]:
+        assert r["estimated_traffic"] > 0, r
+        if r["compiled_peak"] is not None:
+            assert r["compiled_moved"] > 0 and r["compiled_flops"] > 0, r
+    assert estimates.summary(result)[-1].startswith("traffic estimate: ")
+    assert estimates._band("6000,7100") == (6e9, 7.1e9)
+    with pytest.raises(argparse.ArgumentTypeError, match="LO,HI"):
+        estimates._band("7100")
