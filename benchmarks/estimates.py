@@ -12,8 +12,9 @@ FLOPs, as the target benchmark counts them).
         --sizes layers=4 --compile 0 --band 6000,7100
 
 A row says whether the budget's ladder keeps the candidate (`budget.choices`) and marks
-the one budget 0 takes; the summary says whether that one is the lowest compiled peak, and
-the estimate's error on each compiled row. Budget 0 misses the lowest peak exactly where
+the one budget 0 takes; the summary says whether that one is the lowest compiled peak, the
+estimate's error on each compiled row, and how many compiled pairs the traffic estimate
+ranks otherwise than the compiler's bytes and FLOPs. Budget 0 misses the lowest peak exactly where
 the estimate misranks the candidates the ladder chooses between: this is the check to run
 on a model the estimate was not tuned on. Shapes only: nothing runs.
 """
@@ -96,7 +97,7 @@ def measure(kind: str, name: str, sizes: dict[str, Any], target: str, devices: i
         rows = []
         for rank, c in enumerate(sorted(recorder.all, key=lambda c: (c.peak, c.cost))):
             row = {"rank": rank, "estimated_peak": c.peak, "saved_bytes": c.saved, "cost": c.cost,
-                   "estimated_traffic": traffic(c.step or step_programs(c.cut)),
+                   "estimated_traffic": c.traffic if c.step is not None else traffic(step_programs(c.cut)),
                    "kept": frozenset(c.cut.saved) in kept, "budget_0": frozenset(c.cut.saved) == lowest,
                    "compiled_peak": None, "compiled_moved": None, "compiled_flops": None}
             if rank < compile_lowest or row["budget_0"] or (band is not None and band[0] <= c.peak <= band[1]):
@@ -112,7 +113,8 @@ def measure(kind: str, name: str, sizes: dict[str, Any], target: str, devices: i
 
 
 def summary(result: dict[str, Any]) -> list[str]:
-    """Whether budget 0 took the lowest compiled peak, and the estimate's error."""
+    """Whether budget 0 took the lowest compiled peak, the estimate's error, and how the
+    traffic estimate ranks the compiled candidates (`_traffic_ranking`)."""
     done = [r for r in result["rows"] if r["compiled_peak"] is not None]
     best = min(done, key=lambda r: r["compiled_peak"])
     ours = next(r for r in done if r["budget_0"])
@@ -139,7 +141,7 @@ def _traffic_ranking(done: list[dict[str, Any]]) -> str:
 def table(result: dict[str, Any]) -> str:
     lines = ["rank  kept  budget0  estimated GB  compiled GB  est/compiled  saved MB  est traffic GB  moved GB"]
     for r in result["rows"]:
-        est, c, moved = r["estimated_peak"], r["compiled_peak"], r.get("compiled_moved")
+        est, c, moved = r["estimated_peak"], r["compiled_peak"], r["compiled_moved"]
         compiled, ratio = ("-", "-") if c is None else (f"{c / 1e9:.3f}", f"{est / c:.3f}")
         lines.append(f"{r['rank']:4d}  {'yes' if r['kept'] else '-':>4}  {'<-' if r['budget_0'] else '':>7}  "
                      f"{est / 1e9:12.3f}  {compiled:>11}  {ratio:>12}  {r['saved_bytes'] / 1e6:8.1f}  "
