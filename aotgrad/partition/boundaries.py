@@ -94,12 +94,32 @@ def boundaries(problem: Problem) -> np.ndarray:
         node = max(children[node], key=lambda c: (size[c], c))
         if size[node] > 1:
             path.append(node)
+    path = path[:_first_layer_end(problem, path)]
     if not path:
         return np.zeros(0, np.int64)
     nbytes = problem.nbytes[path]
     wide = nbytes[nbytes > 0]
     limit = float(np.median(wide)) if len(wide) else 0.0
     return np.asarray(sorted(k for k, b in zip(path, nbytes, strict=True) if 0 < b <= limit), np.int64)
+
+
+def _first_layer_end(problem: Problem, path: list[int]) -> int:
+    """How much of the heavy `path` (from the outputs down) is the spine: up to the lowest
+    value whose equation adds the model's input as it is (same shape and type), the first
+    layer's residual add where the input itself is the residual stream. Below it the path
+    runs into that layer's internals: the input is no value of the tree, so the residual
+    add's one value child is the layer's branch (its attention output on a transformer
+    stack fed embeddings, which is no layer boundary). All of `path` where no value does."""
+    graph = problem.graph
+    inputs = set(graph.inputs)
+    end = len(path)
+    for i, k in enumerate(path):
+        v = problem.values[k]
+        eqn = graph.eqns[problem.eqns[problem.producer[k]]]
+        if any(isinstance(u, Var) and u in inputs and u.aval.shape == v.aval.shape and u.aval.dtype == v.aval.dtype
+               for u in eqn.invars):
+            end = i + 1  # the path runs down: the last such value is the lowest
+    return end
 
 
 def layer_points(problem: Problem, found: np.ndarray) -> list[np.ndarray]:
