@@ -496,8 +496,12 @@ def test_a_budget_meets_dots_with_no_batch_dims_saveable_on_a_scanned_gpt(monkey
     budget 0.5 takes the scan body's cut shaped as `dots_with_no_batch_dims_saveable`,
     the matmul outputs with no layer point free beside them (`budget.policy_points`), and
     is within 1.02x of that policy's peak, bytes and FLOPs (1041 against 1033 MB).
-    Offered only with the layer points free too, the body also saved its residual stream
-    after attention, and budget 0.5 took a cheaper cut at 1.03x the policy's FLOPs."""
+    Without the policies' shapes among the candidates (`budget.matmul_outputs`) no
+    budget-0.5 cut meets it. (Offered only with the layer points free too, the body once
+    also saved its residual stream after attention, at 1.03x the policy's FLOPs: its
+    points then ran into its attention, below the residual add of its carry,
+    `boundaries._first_layer_end`.)"""
+    import numpy as np
     from aotgrad.partition import budget
     sizes = dict(batch=8, seq=512, d_model=512, heads=8, layers=6, vocab=8000)
 
@@ -507,9 +511,11 @@ def test_a_budget_meets_dots_with_no_batch_dims_saveable_on_a_scanned_gpt(monkey
     ours = row("aotgrad:min_cut@0.5")
     for field in ("activation_peak", "bytes_accessed", "flops"):
         assert getattr(ours, field) <= 1.02 * getattr(policy, field), (field, ours, policy)
-    monkeypatch.setattr(budget, "policy_points", lambda free, spaced: [free, *spaced])
+    none = np.zeros(0, np.int64)
+    monkeypatch.setattr(budget, "matmul_outputs", lambda problem: (none, none))
     without = row("aotgrad:min_cut@0.5")
-    assert without.flops > 1.02 * policy.flops, (without, policy)
+    assert any(getattr(without, f) > 1.02 * getattr(policy, f) for f in ("activation_peak", "bytes_accessed", "flops")), \
+        (without, policy)
 
 
 def test_candidates_are_ranked_by_the_steps_traffic_on_the_h100(monkeypatch):

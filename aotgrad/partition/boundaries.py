@@ -94,7 +94,7 @@ def boundaries(problem: Problem) -> np.ndarray:
         node = max(children[node], key=lambda c: (size[c], c))
         if size[node] > 1:
             path.append(node)
-    path = path[:_first_layer_end(problem, path)]
+    path = path[:_first_layer_end(problem, ipdom, path)]
     if not path:
         return np.zeros(0, np.int64)
     nbytes = problem.nbytes[path]
@@ -103,21 +103,33 @@ def boundaries(problem: Problem) -> np.ndarray:
     return np.asarray(sorted(k for k, b in zip(path, nbytes, strict=True) if 0 < b <= limit), np.int64)
 
 
-def _first_layer_end(problem: Problem, path: list[int]) -> int:
+def _first_layer_end(problem: Problem, ipdom: list[int | None], path: list[int]) -> int:
     """How much of the heavy `path` (from the outputs down) is the spine: up to the lowest
-    value whose equation adds the model's input as it is (same shape and type), the first
-    layer's residual add where the input itself is the residual stream. Below it the path
-    runs into that layer's internals: the input is no value of the tree, so the residual
-    add's one value child is the layer's branch (its attention output on a transformer
-    stack fed embeddings, which is no layer boundary). All of `path` where no value does."""
+    value whose equation adds the model's input as it is (same shape and type) where that
+    input also flows into the value's other operand: the first layer's residual add, where
+    the input itself is the residual stream. Below it the path runs into that layer's
+    branch, as the input is no value of the tree (on a transformer stack fed no embedding,
+    its attention output, which is no layer boundary). An input read once, as a loss's
+    target, ends nothing. All of `path` where no value does."""
     graph = problem.graph
     inputs = set(graph.inputs)
+    readers: dict[Var, list[int]] = {}  # an input's readers: their first outputs' positions
+    for k, e in enumerate(problem.producer):
+        if k == 0 or problem.producer[k - 1] != e:
+            for u in graph.eqns[problem.eqns[e]].invars:
+                if isinstance(u, Var) and u in inputs:
+                    readers.setdefault(u, []).append(k)
+
+    def under(k: int, top: int) -> bool:  # whether `top` post-dominates `k`
+        while k is not None and k < top:
+            k = ipdom[k]
+        return k == top
     end = len(path)
     for i, k in enumerate(path):
         v = problem.values[k]
         eqn = graph.eqns[problem.eqns[problem.producer[k]]]
         if any(isinstance(u, Var) and u in inputs and u.aval.shape == v.aval.shape and u.aval.dtype == v.aval.dtype
-               for u in eqn.invars):
+               and any(r != k and under(r, k) for r in readers.get(u, ())) for u in eqn.invars):
             end = i + 1  # the path runs down: the last such value is the lowest
     return end
 

@@ -329,13 +329,14 @@ def ladder_of(problem: Problem, stacked: bool = False) -> Ladder:
 def kept_of(found: list[Choice]) -> list[Choice]:
     """The ladder `choices` keeps of the candidates `ladder_of` found (its top first)."""
     top, *rest = found
-    kept: list[Choice] = []  # the lowest estimated peak first (budget 0's), never traded for a cheaper cut
+    kept: list[Choice] = []
     floor = 0.0  # the lowest peak among candidates about as low as kept[-1]'s
     for c in sorted(rest, key=lambda c: (c.peak, c.cost, -c.saved)):
         if c.peak >= top.peak * (1 - SAME_PEAK):
             continue  # no lower than the top's, for more work
-        if len(kept) > 1 and c.peak <= floor * (1 + SAME_PEAK):  # about the same peak: the cheaper one
-            if c.cheaper_than(kept[-1]) and c.saved >= kept[-2].saved:
+        if kept and c.peak <= floor * (1 + SAME_PEAK):  # about the same peak: the cheaper one
+            before = kept[-2].saved if len(kept) > 1 else 0
+            if c.cheaper_than(kept[-1]) and c.saved >= before:
                 kept[-1] = c
         elif not kept or (c.cheaper_than(kept[-1]) and c.saved >= kept[-1].saved):
             kept.append(c)
