@@ -80,7 +80,9 @@ def post_dominators(problem: Problem) -> list[int | None]:
 
 def boundaries(problem: Problem) -> np.ndarray:
     """Positions (in `problem.values`) of the layer boundaries: values on the heavy path of
-    the post-dominator tree that post-dominate another value, no wider than their median."""
+    the post-dominator tree that post-dominate another value, no wider than their median,
+    the path ending at the first layer's residual add where the input is the stream
+    (`_first_layer_end`)."""
     ipdom = post_dominators(problem)
     n = len(problem.values)
     size = np.ones(n + 1, np.int64)  # values each one post-dominates, itself included
