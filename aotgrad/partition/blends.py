@@ -4,6 +4,7 @@ the ladder's own candidates leave a wide step.
 Neighbouring rungs A (the lower estimated peak) and B differ in a run of layers: a price
 flips a few values at a time. `between` saves what B saves before a layer point and what
 A saves from it on (the rest at the highest price), bisecting the points inside that run.
+Where none of those is kept (B no cheaper per layer than A), `past` blends A with the top.
 
 A byte budget's own gap (`Ladder.near`), which `plan.fit` checks by compiling, goes finer
 (`finer`): where two neighbouring cuts of the gap differ inside one layer, it also saves
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from aotgrad.partition.budget import Choice
     from aotgrad.partition.min_cut import Cut, Problem
 
-__all__ = ["between", "finer"]
+__all__ = ["between", "finer", "past"]
 
 # Two cuts differing in at most this many values differ inside one layer (a GPT layer
 # saves 10-20 values); each blend of theirs is one more min cut to solve.
@@ -65,6 +66,23 @@ def between(problem: Problem, kept: list[Choice], free: np.ndarray, weigh: Weigh
                 out.append(c)
             peak = min(max(c.peak, low), high)
             spans += [(lo, mid, low, peak), (mid + 1, hi, peak, high)]
+    return out
+
+
+def past(problem: Problem, kept: list[Choice], free: np.ndarray, weigh: Weigh, solve: Solve,
+         step: float, same: float) -> list[Choice]:
+    """Blends of A with the top (`kept[-1]`) wherever A and the rung above it, B, not the
+    top, still differ by more than `step` (`between` found nothing kept between them). B can
+    be a cut that saves other values in each layer than the top does and is no cheaper
+    than A, so that no blend of the two is either: on a pre-norm stack with no embedding,
+    B saved the softmax's exponentials and quotients where A (the matmul outputs) saved
+    its scores, and moved 6.6% more bytes than A, compiled, at 1.55x its peak. Blended
+    with the top instead, each layer's step trades peak for bytes as the top does."""
+    top = kept[-1]
+    out: list[Choice] = []
+    for a, b in zip(kept, kept[1:-1]):
+        if b.peak > a.peak * (1 + step):
+            out += between(problem, [a, top], free, weigh, solve, step, same)
     return out
 
 

@@ -318,10 +318,12 @@ def ladder_of(problem: Problem, stacked: bool = False) -> Ladder:
         return Ladder(found, kept_of(found), None)
     weigh = lambda cut: _choice(problem, cut, relaxed, stacked, seen)  # noqa: E731
     solve = lambda positions: _priced(problem, relaxed, positions, PRICES[-1:])[0]  # noqa: E731
-    made = blends.between(problem, kept := kept_of(found), free, weigh, solve, BLEND_STEP, SAME_PEAK)
-    known = {id(c) for c in found}  # a blend may be a cut found before, or found twice
-    if more := list({id(c): c for c in made if id(c) not in known}.values()):
-        found, kept = found + more, kept_of(found + more)
+    kept = kept_of(found)
+    for fill in (blends.between, blends.past):  # neighbours' blends; then the gaps left, with the top
+        made = fill(problem, kept, free, weigh, solve, BLEND_STEP, SAME_PEAK)
+        known = {id(c) for c in found}  # a blend may be a cut found before, or found twice
+        if more := list({id(c): c for c in made if id(c) not in known}.values()):
+            found, kept = found + more, kept_of(found + more)
     return Ladder(found, kept, functools.cache(lambda i: blends.finer(problem, kept[i], kept[i + 1], free, weigh,
                                                                       solve, FINE_STEP)))
 
