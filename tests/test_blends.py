@@ -45,8 +45,8 @@ def _taken(graph) -> list[int]:
 def test_each_budget_step_is_a_plan_of_its_own(graph, monkeypatch):
     """Each of budgets 0.9 to 0 takes a plan of its own, its estimated peak falling with
     the budget. Without blends steps share plans; without the blends with the top
-    (`blends.past`), 0.7 and 0.6 share the `dots_saveable` shape: the rung above it saves
-    other values in each layer and no blend of the two is cheaper than the shape."""
+    (`blends.past`), 0.7 and 0.6 share one plan: the rung above it saves other values in
+    each layer and no blend of the two is cheaper than it."""
     taken = _taken(graph)
     assert taken == sorted(taken, reverse=True) and len(set(taken)) == len(STEPS), taken
     monkeypatch.setattr(blends, "past", lambda *args: [])

@@ -76,17 +76,16 @@ def past(problem: Problem, kept: list[Choice], free: np.ndarray, weigh: Weigh, s
     be a cut that saves other values in each layer than the top does and is no cheaper
     than A, so that no blend of the two is either: on a pre-norm stack with no embedding,
     B saved the softmax's exponentials and quotients where A (the matmul outputs) saved
-    its scores, and moved 6.6% more bytes than A, compiled, at 1.55x its peak. Blended
+    its scores, and moved 6.6% more bytes than A, compiled, at 1.54x its peak. Blended
     with the top instead, each layer's step trades peak for bytes as the top does. Only
     where the device ranks cuts by their step's traffic: a blend's per-value costs are
     nearly its ends' layer by layer, so ranked by those, its own blends do not skip a gap.
     (On XLA:CPU, blended with the top too, a 3-layer GPT got levels whose compiled peaks
     did not rise with the estimate, and `plan.fit` missed a cheaper plan that fitted:
     tests/test_plan.py.)"""
-    device = problem.graph.device
-    if device is None or not device.ranks_by_traffic:
-        return []  # ranked by the per-value costs, a blend's nearly sum its ends' per layer
     top = kept[-1]
+    if top.step is None:
+        return []  # not ranked by traffic (`budget._choice`): by per-value costs, which blend layer by layer
     out: list[Choice] = []
     for a, b in zip(kept, kept[1:-1]):
         if b.peak > a.peak * (1 + step):
