@@ -186,8 +186,17 @@ def compiled_entry(layout: ArgLayout, fwd: ForwardTrace, options: Snapshot, dona
     donated = {d + layout.n_args if d < 0 else d for d in donate_argnums}
     leaves = leaf_args(layout.in_tree, layout.arg_positions)
     donate = tuple(len(fwd.consts) + i for i, p in enumerate(leaves) if p in donated)
-    return Entry(layout, fwd, jax.jit(fwd, donate_argnums=donate), functools.partial(_build_pair, options, fwd), hooks,
+    return Entry(layout, fwd, jax.jit(_named_call(fwd, layout.owner), donate_argnums=donate),
+                 functools.partial(_build_pair, options, fwd), hooks,
                  by_staging=plans_staged(options.partitioner, options.activation_memory_budget))
+
+
+def _named_call(fwd: ForwardTrace, name: str) -> Callable[..., list[Any]]:
+    """`fwd` as a function named `name`, which its program is named after (`jit_<name>`)."""
+    def call(*inputs: Any) -> list[Any]:
+        return fwd(*inputs)
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
 def _build_pair(options: Snapshot, fwd: ForwardTrace, entry: Entry, perturbed: tuple[bool, ...],

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["ForwardTrace", "differentiable", "input_layout", "trace_body_joint", "trace_forward", "trace_joint"]
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class ForwardTrace:
     """`fn` traced once; its closed-over arrays are treated as leading inputs, so that
     gradients reach them and cached programs never embed them."""
@@ -40,6 +40,10 @@ class ForwardTrace:
     @property
     def out_avals(self) -> tuple[Any, ...]:
         return tuple(self.jaxpr.out_avals)
+
+    def __repr__(self) -> str:  # short: the default printed the whole jaxpr
+        return (f"ForwardTrace({len(self.jaxpr.jaxpr.eqns)} equations, {len(self.in_avals)} inputs, "
+                f"{len(self.jaxpr.out_avals)} outputs)")
 
     def __call__(self, *inputs: Any, rules: dict | None = None, number: bool = False,
                  bind: Rule = bind_eqn) -> list[Any]:

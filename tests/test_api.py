@@ -580,3 +580,17 @@ def test_argument_types_are_keyed_exactly_through_the_key_cache(monkeypatch):
             assert signature.leaf_key(x) == signature.aval_key(jax.typeof(x))
     assert f.cache_info().entries == len({signature.aval_key(jax.typeof(x)) for x in cases}) == 5
     assert len(signature._KEYS) <= 2
+
+
+def test_the_forward_only_program_is_named_after_the_function():
+    """Called inside a jit without differentiation, the forward-only program is a call
+    named after the function, as `jax.jit(model)` names its own (it was "<unnamed
+    function>", and JAX printed the whole forward trace to name it)."""
+    @aotgrad.compile
+    def model(w, x):
+        return jnp.tanh(x @ w).sum()
+
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    model(w, x)  # run once eagerly: the jit below calls the same forward-only program
+    text = jax.jit(model).lower(w, x).as_text()
+    assert "unnamed" not in text
