@@ -20,6 +20,7 @@ from aotgrad.collector import collector_paused
 from aotgrad.config import Snapshot, config
 from aotgrad.hooks import ArgLayout, Hook, InForce
 from aotgrad.partition import plans_staged
+from aotgrad.partition.split import named
 from aotgrad.runtime import Pair, ProgramPair, Saved
 from aotgrad.trace import ForwardTrace, differentiable
 
@@ -186,17 +187,9 @@ def compiled_entry(layout: ArgLayout, fwd: ForwardTrace, options: Snapshot, dona
     donated = {d + layout.n_args if d < 0 else d for d in donate_argnums}
     leaves = leaf_args(layout.in_tree, layout.arg_positions)
     donate = tuple(len(fwd.consts) + i for i, p in enumerate(leaves) if p in donated)
-    return Entry(layout, fwd, jax.jit(_named_call(fwd, layout.owner), donate_argnums=donate),
+    return Entry(layout, fwd, jax.jit(named(lambda *inputs: fwd(*inputs), layout.owner), donate_argnums=donate),
                  functools.partial(_build_pair, options, fwd), hooks,
                  by_staging=plans_staged(options.partitioner, options.activation_memory_budget))
-
-
-def _named_call(fwd: ForwardTrace, name: str) -> Callable[..., list[Any]]:
-    """`fwd` as a function named `name`, which its program is named after (`jit_<name>`)."""
-    def call(*inputs: Any) -> list[Any]:
-        return fwd(*inputs)
-    call.__name__ = call.__qualname__ = name
-    return call
 
 
 def _build_pair(options: Snapshot, fwd: ForwardTrace, entry: Entry, perturbed: tuple[bool, ...],

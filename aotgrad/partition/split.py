@@ -22,7 +22,7 @@ from aotgrad.partition.order import links, recompute_late  # recompute_late re-e
 from aotgrad.partition.graph import JointGraph, live_eqns
 from aotgrad.partition.zeros import known_zero, zeros_like
 
-__all__ = ["Program", "Split", "recompute_late", "split", "without_cotangents"]
+__all__ = ["Program", "Split", "named", "recompute_late", "split", "without_cotangents"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -41,13 +41,14 @@ class Program:
     @classmethod
     def of(cls, closed: ClosedJaxpr, name: str) -> Program:
         """A program given as a closed jaxpr (a rewritten one)."""
-        program = cls(_named(jaxpr_as_fun(closed), name), tuple(closed.in_avals))
+        program = cls(named(jaxpr_as_fun(closed), name), tuple(closed.in_avals))
         program.__dict__["closed"] = closed  # already traced
         return program
 
 
-def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """`fn` under `name`, which XLA's op names begin with (`jit(backward)/...`)."""
+def named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """`fn` under `name`, which its program and XLA's op names are named after
+    (`jit(backward)/...`)."""
     fn.__name__ = fn.__qualname__ = name
     return fn
 
@@ -175,4 +176,4 @@ def _emit(graph: JointGraph, name: str, idx: list[int], invars: list[Var], outva
         return eval_jaxpr(jaxpr, graph.closed.consts, filled, invars=[*invars, *zeros], eqns=eqns,
                           outvars=outvars, before_eqn=before_eqn)
 
-    return Program(_named(program, name), tuple(v.aval for v in invars))
+    return Program(named(program, name), tuple(v.aval for v in invars))
