@@ -5,6 +5,7 @@ Neighbouring rungs A (the lower estimated peak) and B differ in a run of layers:
 flips a few values at a time. `between` saves what B saves before a layer point and what
 A saves from it on (the rest at the highest price), bisecting the points inside that run.
 Where none of those is kept (B no cheaper per layer than A), `past` blends A with the top.
+A scan body is one layer (`in_body`): A's values with some of B's extra ones.
 
 A byte budget's own gap (`Ladder.near`), which `plan.fit` checks by compiling, goes finer
 (`finer`): where two neighbouring cuts of the gap differ inside one layer, it also saves
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from aotgrad.partition.budget import Choice
     from aotgrad.partition.min_cut import Cut, Problem
 
-__all__ = ["between", "finer", "past"]
+__all__ = ["between", "finer", "in_body", "past"]
 
 # Two cuts differing in at most this many values differ inside one layer (a GPT layer
 # saves 10-20 values); each blend of theirs is one more min cut to solve.
@@ -98,7 +99,7 @@ def finer(problem: Problem, low: Choice, high: Choice, free: np.ndarray, weigh: 
     """Cuts estimated strictly between `low` and `high`: their blends at layer points
     (`between`), then, for each two neighbours among those cuts whose peaks differ by more
     than `step` and whose saved values differ in at most `LAYER_VALUES`, the lower's saved
-    values with the higher's extra ones less the j largest, for every j."""
+    values with the higher's extra ones less the j largest, for every j (`_value_blends`)."""
     found = between(problem, [low, high], free, weigh, solve, step, 0.0)
     out = list(found)
     chain = sorted([low, *found, high], key=lambda c: c.peak)
@@ -106,10 +107,35 @@ def finer(problem: Problem, low: Choice, high: Choice, free: np.ndarray, weigh: 
         pa, pb = a.cut.positions, b.cut.positions
         if b.peak <= a.peak * (1 + step) or len(np.setxor1d(pa, pb)) > LAYER_VALUES:
             continue
-        extra = np.setdiff1d(pb, pa)
-        extra = extra[np.argsort(-problem.nbytes[extra], kind="stable")]  # largest first
-        for j in range(1, len(extra)):
-            c = weigh(solve(np.union1d(pa, extra[j:])))
-            if low.peak < c.peak < high.peak:
-                out.append(c)
+        out += [c for c in _value_blends(problem, a, b, weigh, solve) if low.peak < c.peak < high.peak]
     return out
+
+
+def in_body(problem: Problem, kept: list[Choice], free: np.ndarray, weigh: Weigh, solve: Solve,
+            step: float, same: float) -> list[Choice]:
+    """Cuts strictly between neighbouring rungs A and B of a scan body's ladder (one layer:
+    no layer points to blend at) whose saved bytes differ by more than `step` and whose
+    saved values differ in at most `LAYER_VALUES`: A's saved values with B's extra ones
+    less the j largest, and with only the j largest, for every j. (A scanned GPT-2 small's
+    body saved 48 MiB, then 192: the rung above adds three matmul outputs, 96, 72 and 24 MiB.)
+    `free` and `same` are `between`'s: a body has no layer points, and only blends strictly
+    between their rungs are kept."""
+    out: list[Choice] = []
+    for a, b in zip(kept, kept[1:]):
+        if b.peak > a.peak * (1 + step) and len(np.setxor1d(a.cut.positions, b.cut.positions)) <= LAYER_VALUES:
+            out += [c for c in _value_blends(problem, a, b, weigh, solve, largest_alone=True)
+                    if a.peak < c.peak < b.peak]
+    return out
+
+
+def _value_blends(problem: Problem, a: Choice, b: Choice, weigh: Weigh, solve: Solve,
+                  largest_alone: bool = False) -> list[Choice]:
+    """A's saved values with B's extra ones less the j largest, for every j (and with only
+    the j largest: `largest_alone`), each solved and weighed."""
+    pa = a.cut.positions
+    extra = np.setdiff1d(b.cut.positions, pa)
+    extra = extra[np.argsort(-problem.nbytes[extra], kind="stable")]  # largest first
+    subsets = [extra[j:] for j in range(1, len(extra))]
+    if largest_alone:
+        subsets += [extra[:j] for j in range(1, len(extra))]
+    return [weigh(solve(np.union1d(pa, s))) for s in subsets]

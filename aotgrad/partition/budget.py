@@ -38,6 +38,7 @@ The candidates:
 - Blends fill what is left between them (`blends.py`): where two neighbouring kept cuts'
   estimated peaks differ by more than `BLEND_STEP`, the layers before a layer point saved
   as the higher one saves them and the rest as the lower one does (docs/partitioner.md).
+  A scan body is one layer: there the lower one's values with some of the higher one's.
 
 A budget in bytes (`Bytes`, "12GB") is the limit itself: the cheapest candidate whose
 estimated step peak is at most that many bytes, its gap of the ladder blended finer
@@ -266,7 +267,7 @@ def choices(problem: Problem, stacked: bool = False, near: float | None = None) 
     to highest (the top last: `ladder_of`): each cheaper to run and saving no fewer bytes than
     the one before, so that the step's peak, the saved bytes and the speed all rise with
     the budget. The top is always kept. Where two neighbours' peaks lie far apart,
-    blends of the two fill the gap (`blends.between`). `stacked`: the graph is a scan body. Its
+    blends of the two fill the gap (`blends.between`; `in_body`). `stacked`: the graph is a scan body. Its
     saved values are stacked over the iterations and outweigh one iteration's working set,
     so there the saved bytes stand for the peak, and the scan's own schedule
     (`scan_levels.scan_schedule`) is built on them too. `near`: a byte budget's limit, whose
@@ -302,7 +303,7 @@ class Ladder:
 
 
 def ladder_of(problem: Problem, stacked: bool = False) -> Ladder:
-    """The candidates (`ladder`, `_with_boundaries`; blends too outside scan bodies), each
+    """The candidates (`ladder`, `_with_boundaries`, blends: `blends.in_body` in a scan body), each
     with its estimated step peak (saved bytes for a scan body: `stacked`) and cost, and
     the ladder kept of them. The first candidate tops the ladder (`kept_of`): the cheapest
     cut, or where the programs run apart budget 1's plan (`Problem.top_cut`), which a
@@ -314,16 +315,17 @@ def ladder_of(problem: Problem, stacked: bool = False) -> Ladder:
     top = [] if stacked or problem.graph.staged else [problem.top_cut(stacked)]  # apart: the ladder's top
     found = _estimated(problem, top + ladder(problem, relaxed) + _with_boundaries(problem, relaxed, stacked, free),
                        relaxed, stacked, seen)
-    if stacked:
-        return Ladder(found, kept_of(found), None)
     weigh = lambda cut: _choice(problem, cut, relaxed, stacked, seen)  # noqa: E731
     solve = lambda positions: _priced(problem, relaxed, positions, PRICES[-1:])[0]  # noqa: E731
     kept = kept_of(found)
-    for fill in (blends.between, blends.past):  # neighbours' blends; then the gaps left, with the top
+    # Neighbours' blends, then the gaps left blended with the top; in a scan body, inside its one layer.
+    for fill in (blends.in_body,) if stacked else (blends.between, blends.past):
         made = fill(problem, kept, free, weigh, solve, BLEND_STEP, SAME_PEAK)
         known = {id(c) for c in found}  # a blend may be a cut found before, or found twice
         if more := list({id(c): c for c in made if id(c) not in known}.values()):
             found, kept = found + more, kept_of(found + more)
+    if stacked:
+        return Ladder(found, kept, None)
     return Ladder(found, kept, functools.cache(lambda i: blends.finer(problem, kept[i], kept[i + 1], free, weigh,
                                                                       solve, FINE_STEP)))
 
