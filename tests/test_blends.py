@@ -35,11 +35,11 @@ def _planned_for_h100(loss, params, batch):
     return dataclasses.replace(graph, device=profile_named("h100"))
 
 
-def _taken(graph) -> list[int]:
+def _taken(problem: Problem, stacked: bool = False, fractions: tuple[float, ...] = STEPS) -> list[int]:
     """The estimated peak of the plan each budget step takes (`within_budget`'s rule)."""
-    steps = budget.choices(Problem.priced(graph))
+    steps = budget.choices(problem, stacked)
     low, high = steps[0].peak, steps[-1].peak
-    return [[c for c in steps if c.peak <= low + b * (high - low)][-1].peak for b in STEPS]
+    return [[c for c in steps if c.peak <= low + b * (high - low)][-1].peak for b in fractions]
 
 
 def test_each_budget_step_is_a_plan_of_its_own(graph, monkeypatch):
@@ -47,12 +47,12 @@ def test_each_budget_step_is_a_plan_of_its_own(graph, monkeypatch):
     the budget. Without blends steps share plans; without the blends with the top
     (`blends.past`), 0.7 and 0.6 share one plan: the rung above it saves other values in
     each layer and no blend of the two is cheaper than it."""
-    taken = _taken(graph)
+    taken = _taken(Problem.priced(graph))
     assert taken == sorted(taken, reverse=True) and len(set(taken)) == len(STEPS), taken
     monkeypatch.setattr(blends, "past", lambda *args: [])
-    assert len(set(_taken(graph))) < len(STEPS)
+    assert len(set(_taken(Problem.priced(graph)))) < len(STEPS)
     monkeypatch.setattr(budget, "BLEND_STEP", math.inf)  # without blends, steps share plans
-    assert len(set(_taken(graph))) < len(STEPS)
+    assert len(set(_taken(Problem.priced(graph)))) < len(STEPS)
 
 
 def test_blends_leave_the_ends_of_the_ladder(monkeypatch):
@@ -170,13 +170,9 @@ def test_a_scan_bodys_ladder_is_filled_between_its_rungs(monkeypatch):
     problem = _scan_body_problem(batch=1, seq=256, d_model=192, heads=3)
     unit = 1 * 256 * 192 * 4
 
-    def taken(fractions):
-        steps = budget.choices(problem, stacked=True)
-        low, high = steps[0].peak, steps[-1].peak
-        return [[c for c in steps if c.peak <= low + b * (high - low)][-1].peak / unit for b in fractions]
     fractions = (0.65, 0.5, 0.4, 0.3)  # of the body's span, 0 to 13 units: 8.45, 6.5, 5.2, 3.9
-    with_blends = taken(fractions)
+    with_blends = [peak / unit for peak in _taken(problem, True, fractions)]
     assert with_blends == sorted(with_blends, reverse=True) and len(set(with_blends)) == len(fractions), with_blends
     assert {5.0, 6.0} <= set(with_blends), with_blends
     monkeypatch.setattr(blends, "in_body", lambda *args: [])
-    assert len(set(taken(fractions))) < len(fractions)
+    assert len(set(_taken(problem, True, fractions))) < len(fractions)

@@ -104,10 +104,8 @@ def finer(problem: Problem, low: Choice, high: Choice, free: np.ndarray, weigh: 
     out = list(found)
     chain = sorted([low, *found, high], key=lambda c: c.peak)
     for a, b in zip(chain, chain[1:]):
-        pa, pb = a.cut.positions, b.cut.positions
-        if b.peak <= a.peak * (1 + step) or len(np.setxor1d(pa, pb)) > LAYER_VALUES:
-            continue
-        out += [c for c in _value_blends(problem, a, b, weigh, solve) if low.peak < c.peak < high.peak]
+        if _apart_in_one_layer(a, b, step):
+            out += [c for c in _value_blends(problem, a, b, weigh, solve) if low.peak < c.peak < high.peak]
     return out
 
 
@@ -122,10 +120,16 @@ def in_body(problem: Problem, kept: list[Choice], free: np.ndarray, weigh: Weigh
     between their rungs are kept."""
     out: list[Choice] = []
     for a, b in zip(kept, kept[1:]):
-        if b.peak > a.peak * (1 + step) and len(np.setxor1d(a.cut.positions, b.cut.positions)) <= LAYER_VALUES:
+        if _apart_in_one_layer(a, b, step):
             out += [c for c in _value_blends(problem, a, b, weigh, solve, largest_alone=True)
                     if a.peak < c.peak < b.peak]
     return out
+
+
+def _apart_in_one_layer(a: Choice, b: Choice, step: float) -> bool:
+    """B's peak is more than `step` above A's, and their saved values differ in at most
+    `LAYER_VALUES`: inside one layer."""
+    return b.peak > a.peak * (1 + step) and len(np.setxor1d(a.cut.positions, b.cut.positions)) <= LAYER_VALUES
 
 
 def _value_blends(problem: Problem, a: Choice, b: Choice, weigh: Weigh, solve: Solve,
