@@ -316,8 +316,8 @@ def test_backward_waits_without_collectives():
     tie's zero (read from two elements of a cotangent) would be read across shards, one
     collective per group. The data-parallel step's backward has no more all-reduces
     than with no waiting at all."""
-    from aotgrad.partition import schedule
-    assert not schedule.tie_by_data()
+    from aotgrad.partition import ties
+    assert not ties.tie_by_data()
     mesh = _mesh()
     p = jax.tree.map(lambda a: _put(mesh, a), _mlp_params())
     x = _put(mesh, _normal(7, 64, 16), ("data", "model"), None)

@@ -47,6 +47,7 @@ GROUPS = {
     "gpt_heads_scan": [
         "test_a_jitted_step_frees_the_kept_head_where_a_layers_backward_peaks",
         "test_a_budget_meets_dots_with_no_batch_dims_saveable_on_a_scanned_gpt",
+        "test_a_scans_backward_waits_for_the_weight_gradients_before_it",
         "test_the_loss_head_does_not_wait_on_the_h100",
     ],
     "small": [

@@ -16,7 +16,7 @@ MAX_LINES = 400
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("_jax_internals", "collector", "errors", "jit_key", "devices", "loss_scale", "targets", "xla_buffers"),
     "core IR": ("interpret", "signature", "partition.rules", "partition.costs", "partition.graph",
-                "partition.zeros", "partition.shards", "partition.schedule", "provenance", "trace"),
+                "partition.zeros", "partition.shards", "partition.schedule", "partition.ties", "provenance", "trace"),
     "passes": ("partition", "partition.budget_value", "partition.flow", "partition.split", "partition.boundaries", "partition.fusion", "partition.order", "partition.peak_arrays", "partition.peak", "partition.traffic", "partition.blends", "partition.budget", "partition.scan_levels",
                "partition.vjp", "partition.named_outputs", "partition.scan", "partition.min_cut",
                "autocast", "autocast.context", "autocast.policy", "autocast.counts", "autocast.bodies", "autocast.rewrite",

@@ -17,7 +17,7 @@ import pytest
 from jax.extend.core import Var
 
 import aotgrad
-from aotgrad.partition import schedule
+from aotgrad.partition import schedule, ties
 from aotgrad.partition.graph import reachable
 from cuts import cheapest, joint_graph
 
@@ -69,7 +69,7 @@ def test_recomputation_waits_for_the_cotangent_that_needs_it() -> None:
 def test_both_ways_of_waiting_give_jax_gradients(monkeypatch, by_data: bool) -> None:
     """The data ties (XLA:CPU) and the barrier ties (GPU, TPU: forced here on CPU) leave
     values and gradients those of plain JAX, also under jit and vmap."""
-    monkeypatch.setattr(schedule, "tie_by_data", lambda: by_data)
+    monkeypatch.setattr(ties, "tie_by_data", lambda: by_data)
     p = _params()
     f = aotgrad.compile(relu_stack)
     want = jax.value_and_grad(relu_stack)(p)
@@ -251,7 +251,7 @@ def test_a_group_waits_for_the_weight_gradient_that_ends_an_earlier_groups_value
     assert held
     weight_grads = [t for op, t in held if op == "stablehlo.dot_general" and t == f"{D}x{D}xf32"]
     assert (len(weight_grads) >= L - 2) if devices > 1 else not weight_grads, held
-    monkeypatch.setattr(schedule, "tie_by_data", lambda: False)  # barriers on this CPU too
+    monkeypatch.setattr(ties, "tie_by_data", lambda: False)  # barriers on this CPU too
     with aotgrad.config.patch(activation_memory_budget=0.0):
         got = jax.jit(jax.grad(aotgrad.compile(relu_stack)))(_params())
     jax.tree.map(_close, got, jax.grad(relu_stack)(_params()))
@@ -335,7 +335,7 @@ def test_on_several_devices_the_backward_reads_weights_through_a_barrier(monkeyp
         text = step.trace(_params()).lower(lowering_platforms=("cuda",)).as_text()
     weights = [t for operands in _barriers(text) for op, t in operands if op == "argument" and t == f"{D}x{D}xf32"]
     assert len(weights) >= (L - 2 if devices > 1 else 0) and (devices > 1 or not weights), weights
-    monkeypatch.setattr(schedule, "tie_by_data", lambda: False)  # barriers on this CPU too
+    monkeypatch.setattr(ties, "tie_by_data", lambda: False)  # barriers on this CPU too
     with aotgrad.config.patch(activation_memory_budget=0.0):
         got = jax.jit(jax.grad(aotgrad.compile(relu_stack)))(_params())
     jax.tree.map(_close, got, jax.grad(relu_stack)(_params()))
@@ -382,7 +382,7 @@ def test_what_the_loss_head_recomputed_is_read_through_a_barrier(monkeypatch, by
     peak of `dots_saveable` on an H100: tests/gpu_target_cases.py). Values and gradients
     stay JAX's under both ways of waiting."""
     from benchmarks.stacks import stack
-    monkeypatch.setattr(schedule, "tie_by_data", lambda: by_data)
+    monkeypatch.setattr(ties, "tie_by_data", lambda: by_data)
     loss, params, batch = stack(batch=2, seq=64, d_model=32, heads=2, layers=3)
     tied = []
 
@@ -399,3 +399,42 @@ def test_what_the_loss_head_recomputed_is_read_through_a_barrier(monkeypatch, by
     want = jax.value_and_grad(loss)(params, batch)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     jax.tree.map(_close, got[1], want[1])
+
+
+V, T = 512, 64  # a vocabulary whose logits' gradient outweighs the tied embedding's
+TOKENS = np.arange(T) % V
+
+
+def tied_scan(p: dict) -> jax.Array:
+    """A scanned stack between a tied embedding and its vocabulary head."""
+    def layer(h, w):
+        return jnp.tanh(h @ w) + h, None
+    h, _ = jax.lax.scan(layer, p["emb"][TOKENS], p["w"])
+    return -jnp.mean(jax.nn.log_softmax(h @ p["emb"].T)[:, 0])
+
+
+def _tied_params() -> dict:
+    ka, kb = jax.random.split(jax.random.key(1))
+    return {"emb": jax.random.normal(ka, (V, D)), "w": jax.random.normal(kb, (L, D, D)) / np.sqrt(D)}
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.0])
+def test_a_scans_backward_waits_for_the_weight_gradients_before_it(monkeypatch, budget: float) -> None:
+    """A loop in the backward (the scan's) waits for the weight gradients made before it
+    that it does not read (`schedule._loop_waits`): the tied embedding's gradient from
+    the head (V x D, from the logits' gradient, T x V) passes through a barrier with the
+    scan's cotangent, on one device too, so XLA:GPU cannot hold the logits' gradient
+    through the layers' backward. Without loops waiting no barrier holds it. Lowered for
+    a GPU; the gradients through those barriers (on this CPU) are JAX's."""
+    def held() -> list[tuple[str, str]]:
+        with aotgrad.config.patch(activation_memory_budget=budget):
+            step = jax.jit(jax.grad(aotgrad.compile(tied_scan)))
+            text = step.trace(_tied_params()).lower(lowering_platforms=("cuda",)).as_text()
+        return [operand for operands in _barriers(text) for operand in operands]
+    assert ("stablehlo.dot_general", f"{V}x{D}xf32") in held()
+    monkeypatch.setattr(ties, "tie_by_data", lambda: False)  # barriers on this CPU too
+    with aotgrad.config.patch(activation_memory_budget=budget):
+        got = jax.jit(jax.grad(aotgrad.compile(tied_scan)))(_tied_params())
+    jax.tree.map(_close, got, jax.grad(tied_scan)(_tied_params()))
+    monkeypatch.setattr(schedule, "_LOOPS", frozenset())
+    assert ("stablehlo.dot_general", f"{V}x{D}xf32") not in held()

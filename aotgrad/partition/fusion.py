@@ -5,7 +5,7 @@ Which programs: a call run as it comes (eagerly) runs the forward and the backwa
 programs, the saved values arguments of the whole backward. A step traced under
 `jax.jit` (`JointGraph.staged`) is one program, the forward then the backward. The
 equations run in the order the programs are emitted: the backward's recomputation just
-before its first use where `schedule.tie` holds it there, and at the backward's start
+before its first use where `ties.tie` holds it there, and at the backward's start
 where nothing does (XLA starts independent work early).
 
 How each value is read (`reads`): an elementwise value read by one elementwise equation

@@ -32,23 +32,7 @@ read C's group (C is its first consumer), and each weight gradient waited for co
 before the group in the backward's order. The group's members are contiguous in
 `recompute_late`'s order, ending just before C.
 
-How a group waits depends on the platform the program is lowered for (not the host's
-default backend: a step compiled for a GPU or TPU target on a CPU machine gets the GPU/TPU
-mechanism). Both are staged with `jax.lax.platform_dependent`, so lowering keeps only the
-one for its platform (the compiler never sees a conditional):
-- GPU and TPU keep `optimization_barrier` through scheduling (as `jax.checkpoint` relies
-  on): the saved values the group reads pass through one barrier with the cotangent
-  (values an earlier group recomputed do not: they wait already, and a barrier would make
-  XLA write them to memory). The backward reads on from the barrier's copy of the
-  cotangent, as `jax.checkpoint`'s backward does: XLA drops a barrier output nothing
-  reads, and the wait with it.
-- XLA:CPU removes barriers before it schedules, so there (with one device) the group's
-  floating-point inputs become `x - z`, with `z` a zero computed from two elements of the
-  cotangent by integer operations XLA cannot fold. `x - 0.0` is `x` exactly (signed zeros
-  and NaNs included). `z` ends in a reduction, which XLA does not fuse into its readers,
-  so they read one scalar rather than the cotangent. With several devices that zero would
-  be read across shards (a collective per group), so multi-device CPU programs get
-  barriers: correct, but without the lower peak.
+How a group waits, by a barrier or through data, is `ties.py`'s.
 
 Either way, a group whose saved inputs all passed through the last tie reads that tie's
 copies and has none of its own (`Group.rides`): XLA fuses nothing across a barrier, and
@@ -72,26 +56,24 @@ there, budget 0 on that stack peaked 1.1% higher: the last layer's recomputation
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
 import jax.extend.core.primitives as P
 from jax.extend.core import JaxprEqn, Var
 
-from aotgrad._jax_internals import bind_eqn, varying_axes
-from aotgrad.interpret import read
 from aotgrad.partition.costs import nbytes
 from aotgrad.partition.rules import MATMULS, Kind, kind_of
 
-__all__ = ["Group", "VIEWS", "plan", "tie"]
+__all__ = ["Group", "VIEWS", "floating", "plan"]
 
 # Equations XLA turns into views of their input (no copy): a group of only these is not tied.
 VIEWS = frozenset({P.reshape_p, P.squeeze_p})
 # What computes a weight gradient: a matmul (a weight's), a sum over the batch (a bias's or
 # a scale's).
 _CONTRACTIONS = MATMULS | {P.reduce_sum_p}
+# A backward equation that loops over its body: it waits for the weight gradients before it.
+_LOOPS = frozenset({P.scan_p, P.while_p})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +128,8 @@ def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var], devices: int = 1,
         if c is not None:
             members.setdefault(c, []).append(i)
     groups = []
-    ends = _finished(eqns, is_bwd, readers, step_inputs, devices) if devices > 1 else [[] for _ in eqns]
+    loops = [c for c, e in enumerate(eqns) if is_bwd[c] and e.primitive in _LOOPS]
+    ends = _finished(eqns, is_bwd, readers, step_inputs, devices) if devices > 1 or loops else []
     head = _head(eqns, is_bwd)
     previous = 0
     tied: set[Var] = set()  # the saved values the last barrier took
@@ -171,15 +154,42 @@ def plan(eqns: Sequence[JaxprEqn], backward: frozenset[Var], devices: int = 1,
                       for v in inputs)
         finished = ()
         rides = any(saved) and {v for v, s in zip(inputs, saved) if s} <= tied
-        if any(saved) and not rides:  # a barrier: it waits for the ends since the last one
-            finished = tuple(v for i in range(previous, min(group)) for v in ends[i])
-            previous = min(group)
+        if any(saved) and not rides:  # a barrier: with several devices it waits for the ends since the last one
+            if devices > 1:
+                finished = tuple(v for i in range(previous, min(group)) for v in ends[i])
+                previous = min(group)
             tied = {v for v, s in zip(inputs, saved) if s}
         groups.append(Group(min(group), max(group) + 1, inputs, saved, after, tuple(chain), finished, rides=rides))
         waited.update(group)
+    groups = _loop_waits(groups, loops, eqns, position, backward, ends) if loops else groups
     if devices > 1 and step_inputs:
         groups = _regathered(groups, eqns, is_bwd, step_inputs)
     return tuple(groups)
+
+
+def _loop_waits(groups: list[Group], loops: list[int], eqns: Sequence[JaxprEqn], position: dict[Var, int],
+                backward: frozenset[Var], ends: list[list[Var]]) -> list[Group]:
+    """`groups` and, before each loop in the backward (a scan's), a barrier on its latest
+    cotangent and the weight gradients (`_finished`) made since the last wait for them
+    that the loop does not read (what it reads is made before it anyway, and would only
+    be copied): XLA:GPU ran a tied embedding's weight gradient after a scanned GPT's
+    layers' backward, holding the logits' gradient through it (B4 x 1024, vocabulary
+    16000, one H100: budget 0 peaked 262 MB above `nothing_saveable`)."""
+    out, previous = list(groups), 0
+    for c in loops:
+        previous = max([previous, *(g.start for g in out if g.finished and g.start < c)])
+        needed, todo = set(), [v for v in eqns[c].invars if isinstance(v, Var)]
+        while todo:
+            v = todo.pop()
+            if v in position and v not in needed:
+                needed.add(v)
+                todo += [u for u in eqns[position[v]].invars if isinstance(u, Var)]
+        finished = tuple(v for i in range(previous, c) for v in ends[i] if v not in needed)
+        after = _latest_backward_input(eqns[c], position, backward)
+        if finished and after is not None:
+            out.append(Group(c, c, (), (), after, (), finished))
+            previous = c
+    return sorted(out, key=lambda g: g.start)
 
 
 def _regathered(groups: list[Group], eqns: Sequence[JaxprEqn], is_bwd: list[bool],
@@ -195,7 +205,7 @@ def _regathered(groups: list[Group], eqns: Sequence[JaxprEqn], is_bwd: list[bool
     for n, k in enumerate(barriers):
         stop = groups[barriers[n + 1]].start if n + 1 < len(barriers) else len(eqns)
         weights = dict.fromkeys(v for i in range(groups[k].start, stop) if is_bwd[i] for v in eqns[i].invars
-                                if isinstance(v, Var) and v in step_inputs and _floating(v.aval))
+                                if isinstance(v, Var) and v in step_inputs and floating(v.aval))
         out[k] = dataclasses.replace(groups[k], weights=tuple(weights))
     return out
 
@@ -231,7 +241,7 @@ def _finished(eqns: Sequence[JaxprEqn], is_bwd: list[bool], readers: list[list[i
     for i in range(len(eqns) - 1, -1, -1):
         feeds_matmul[i] = any(eqns[r].primitive in MATMULS or feeds_matmul[r] for r in readers[i])
     for i, e in enumerate(eqns):
-        if not (is_bwd[i] and e.primitive in _CONTRACTIONS and not feeds_matmul[i]):
+        if not (is_bwd[i] and e.primitive in _CONTRACTIONS and not feeds_matmul[i]) or not _concrete(e):
             continue
         operands = sum(nbytes(v.aval) for v in e.invars if isinstance(v, Var) and v not in step_inputs)
         if operands > devices * sum(nbytes(v.aval) for v in e.outvars):
@@ -248,8 +258,14 @@ def _finished(eqns: Sequence[JaxprEqn], is_bwd: list[bool], readers: list[list[i
     return ends
 
 
+def _concrete(eqn: JaxprEqn) -> bool:
+    """Whether every array `eqn` reads and makes has a known size (not an exported
+    step's symbolic batch, whose sizes cannot be compared)."""
+    return all(isinstance(d, int) for v in (*eqn.invars, *eqn.outvars) for d in getattr(v.aval, "shape", ()))
+
+
 def _floating_outputs(eqn: JaxprEqn) -> list[Var]:
-    return [v for v in eqn.outvars if isinstance(v, Var) and _floating(v.aval)]
+    return [v for v in eqn.outvars if isinstance(v, Var) and floating(v.aval)]
 
 
 def _latest_backward_input(eqn: JaxprEqn, position: dict[Var, int],
@@ -257,7 +273,7 @@ def _latest_backward_input(eqn: JaxprEqn, position: dict[Var, int],
     """The backward value `eqn` reads that is computed last, among those a zero can be
     read from (real floating point, not empty)."""
     made = [v for v in eqn.invars if isinstance(v, Var) and v in backward and v in position
-            and _floating(v.aval) and v.aval.size > 0]
+            and floating(v.aval) and v.aval.size > 0]
     return max(made, key=position.__getitem__) if made else None
 
 
@@ -279,105 +295,7 @@ def _smallest_source(v: Var, eqns: Sequence[JaxprEqn], position: dict[Var, int],
     return v, chain
 
 
-def _floating(aval: Any) -> bool:
+def floating(aval: Any) -> bool:
+    """A real floating-point array (not a token, not an integer or complex array)."""
     dtype = getattr(aval, "dtype", None)  # None for tokens and other non-array values
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-
-
-def tie(groups: Sequence[Group], by_data: bool) -> Callable[[int, dict], None]:
-    """An `eval_jaxpr(before_eqn=...)` hook: at each group's first equation its inputs are
-    replaced by tied copies; after its last they are put back, so only the group waits."""
-    starts = {g.start: g for g in groups}
-    restore: dict[int, dict[Var, Any]] = {}
-    copies: dict[Var, Any] = {}  # the last barrier's copies of the saved values it took
-
-    def before(i: int, env: dict) -> None:
-        env.update(restore.pop(i, {}))
-        group = starts.get(i)
-        if group is None:
-            return
-        carried = set(group.weights)  # read from the barrier's copy from here on: not restored
-        restore[group.stop] = {v: env[v] for v in group.inputs if v not in carried}
-        if group.rides:
-            env.update((v, copies[v]) for v, s in zip(group.inputs, group.saved, strict=True) if s)
-            return
-        extra = [v for v in group.weights if v not in group.inputs]
-        names = (*group.inputs, *extra)
-        values, after = [env[v] for v in names], env[group.after]
-        finished = [env[v] for v in group.finished]
-        saved = (*group.saved, *(True for _ in extra))
-        if by_data:  # the data tie where the program is lowered for a CPU, else the barrier
-            tied, after, finished = _tie_per_platform(values, after, finished, saved)
-        else:
-            tied, after, finished = _tie_by_barrier(values, after, finished, saved)
-        env.update(zip(names, tied, strict=True))
-        if any(group.saved):
-            copies.clear()
-            copies.update((v, x) for v, x, s in zip(names, tied, saved, strict=True) if s)
-        # The backward reads on from the waited-for copies: a barrier output nothing reads is
-        # dropped by XLA, and with it the wait (XLA:GPU then ran every layer's
-        # recomputation at the backward's start).
-        env[group.after] = after
-        env.update(zip(group.finished, finished, strict=True))
-        for eqn in group.chain:
-            outs = bind_eqn(eqn, [read(env, v) for v in eqn.invars])
-            env.update((v, x) for v, x in zip(eqn.outvars, outs, strict=True) if isinstance(v, Var))
-    return before
-
-
-# inline=True, not INLINE_WHEN_STAGED: where JAX keeps the call until lowering (0.11 and
-# later) the step also lowers faster, to the same text (48 layers: 0.3 s rather than 0.55 s).
-@functools.partial(jax.jit, static_argnums=3, inline=True)
-def _tie_per_platform(values: list, after: Any, finished: list, saved: tuple[bool, ...]) -> tuple[list, Any, list]:
-    """The data tie where the program is lowered for a CPU, else the barrier. Through an
-    inlined `jax.jit`, each kind of group (a model's layers repeat them) traces its two
-    ties once, not once per group: a deep model's backward has hundreds."""
-    return jax.lax.platform_dependent(values, after, finished, cpu=_tie_by_data,
-                                      default=functools.partial(_tie_by_barrier, saved=saved))
-
-
-def _tie_by_barrier(values: list, after: Any, finished: list,
-                    saved: Sequence[bool]) -> tuple[list, Any, list]:
-    """Only saved values pass through the barrier: a value an earlier group recomputed
-    waits already, and a barrier on it would make XLA write it to memory between two
-    fusions (on a GPU, a GPT's step moved 1.28x the fused step's bytes, 1.13x without).
-    `finished` (matmul results, in memory anyway) pass through too: the group waits for them."""
-    saved = [s and _tieable(x, after) for x, s in zip(values, saved, strict=True)]
-    if not any(saved):
-        return list(values), after, list(finished)
-    held = [x for x, s in zip(values, saved, strict=True) if s]
-    waited = [_tieable(x, after) for x in finished]
-    *out, after = jax.lax.optimization_barrier([*held, *(x for x, w in zip(finished, waited) if w), after])
-    held, tied = iter(out[:len(held)]), iter(out[len(held):])
-    return ([next(held) if s else x for x, s in zip(values, saved, strict=True)], after,
-            [next(tied) if w else x for x, w in zip(finished, waited, strict=True)])
-
-
-def _tieable(x: Any, after: Any) -> bool:
-    """Inside `shard_map`, only a value varying over the same manual axes as the cotangent
-    waits for it: JAX's barrier (and arithmetic with the cotangent) would make a
-    replicated value vary, and the forward's equations re-bound on it then fail (a
-    weight's `pvary` on a weight already varying)."""
-    return varying_axes(x) == varying_axes(after)
-
-
-def _tie_by_data(values: list, after: Any, finished: list) -> tuple[list, Any, list]:
-    zero = _zero_from(after)
-    return [x - zero.astype(x.dtype) if _floating(x) and _tieable(x, after) else x for x in values], after, \
-        list(finished)
-
-
-def tie_by_data() -> bool:
-    """Whether programs built now may wait through data where they are lowered for a CPU
-    (`tie` stages the choice per platform). With several devices the zero would be read
-    across shards: every group would add collectives, so there barriers are used, and
-    XLA:CPU ignores them."""
-    return jax.device_count() == 1
-
-
-def _zero_from(x: Any) -> Any:
-    """0.0, computed from `x`'s data so that XLA cannot fold it: for any integer b,
-    min(b, 0) & max(b, 0) is 0 (one of the two is 0)."""
-    first = jax.lax.reshape(x, (x.size,))[:2]
-    bits = jax.lax.bitcast_convert_type(first.astype(jnp.float32), jnp.int32)
-    return jnp.max(jnp.minimum(bits, 0) & jnp.maximum(bits, 0)).astype(jnp.float32)

@@ -17,7 +17,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
 
 from aotgrad.interpret import eval_jaxpr
-from aotgrad.partition import fusion, schedule
+from aotgrad.partition import fusion, schedule, ties
 from aotgrad.partition.order import links, recompute_late  # recompute_late re-exported: the backward's order
 from aotgrad.partition.graph import JointGraph, live_eqns
 from aotgrad.partition.zeros import known_zero, zeros_like
@@ -122,7 +122,7 @@ def split(graph: JointGraph, saved: dict[Var, str], absent: Sequence[Var] = ()) 
     groups = schedule.plan([graph.eqns[i] for i in order], graph.backward - zero, graph.devices,
                            step_inputs=frozenset(graph.inputs), early=_early(graph, fwd_idx, order))
     backward = _emit(graph, "backward", order, bwd_in, list(graph.grads),
-                     before_eqn=schedule.tie(groups, schedule.tie_by_data()),
+                     before_eqn=ties.tie(groups, ties.tie_by_data()),
                      zeros=_zeros_read(graph, order, zero))
     reasons = tuple(saved[v] for v in activations) + tuple(saved[graph.inputs[i]] for i in saved_inputs)
     producers = tuple(graph.eqns[graph.producer[v]] for v in activations)
