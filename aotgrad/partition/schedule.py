@@ -26,7 +26,8 @@ weights in the backward, holding every layer's whole weights from the forward on
 through a barrier, each is gathered again for its layer's backward, as under
 `jax.checkpoint`. (8 H100s, a GPT with D=2048: 1.52 GB at budget 0.99 instead of 1.65, at
 1.3% more bytes moved: the second gathers; with the parameters replicated, nothing
-changes.)
+changes.) A loop in the backward (a scan's) waits for those weight gradients on one
+device too (`_loop_waits`): run after it, one holds its operands through the whole loop.
 Waiting cannot form a cycle: that value is computed before C by equations that do not
 read C's group (C is its first consumer), and each weight gradient waited for comes
 before the group in the backward's order. The group's members are contiguous in

@@ -126,8 +126,9 @@ def split(graph: JointGraph, saved: dict[Var, str], absent: Sequence[Var] = ()) 
                      zeros=_zeros_read(graph, order, zero))
     reasons = tuple(saved[v] for v in activations) + tuple(saved[graph.inputs[i]] for i in saved_inputs)
     producers = tuple(graph.eqns[graph.producer[v]] for v in activations)
+    recomputing = sum(g.stop > g.start for g in groups)  # a loop's wait recomputes nothing
     return Split(forward, backward, activations, saved_inputs, reasons,
-                 tuple(sorted(recomputed.items())), producers, len(groups))
+                 tuple(sorted(recomputed.items())), producers, recomputing)
 
 
 def _early(graph: JointGraph, fwd_idx: Sequence[int], order: Sequence[int]) -> frozenset[Var]:
