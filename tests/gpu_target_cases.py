@@ -524,7 +524,7 @@ def test_a_budget_meets_dots_with_no_batch_dims_saveable_on_a_scanned_gpt(monkey
 def test_a_scans_backward_waits_for_the_weight_gradients_before_it(monkeypatch):
     """A scanned GPT with a tied embedding (`gpt_scan`: B4 x 1024, D=1024, 8 layers,
     vocabulary 16000) on one H100: the backward's scan waits for the weight gradients
-    computed before it (`schedule._loop_wait`), so the embedding's gradient from the head
+    computed before it (`schedule._loop_waits`), so the embedding's gradient from the head
     is made before the layers' backward and the logits' gradient (262 MB) is not held
     through it. Budget 0 then peaks at or below `nothing_saveable` (2012 against 2046 MB
     of activations); without the wait, 1.11x it (2275 MB)."""

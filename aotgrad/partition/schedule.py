@@ -64,6 +64,7 @@ import jax.extend.core.primitives as P
 from jax.extend.core import JaxprEqn, Var
 
 from aotgrad.partition.costs import nbytes
+from aotgrad.partition.graph import live_eqns
 from aotgrad.partition.rules import MATMULS, Kind, kind_of
 
 __all__ = ["Group", "VIEWS", "floating", "plan"]
@@ -179,12 +180,8 @@ def _loop_waits(groups: list[Group], loops: list[int], eqns: Sequence[JaxprEqn],
     out, previous = list(groups), 0
     for c in loops:
         previous = max([previous, *(g.start for g in out if g.finished and g.start < c)])
-        needed, todo = set(), [v for v in eqns[c].invars if isinstance(v, Var)]
-        while todo:
-            v = todo.pop()
-            if v in position and v not in needed:
-                needed.add(v)
-                todo += [u for u in eqns[position[v]].invars if isinstance(u, Var)]
+        made_for_loop, _ = live_eqns(list(eqns[:c]), eqns[c].invars, set())
+        needed = {v for i in made_for_loop for v in eqns[i].outvars}
         finished = tuple(v for i in range(previous, c) for v in ends[i] if v not in needed)
         after = _latest_backward_input(eqns[c], position, backward)
         if finished and after is not None:
