@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import TYPE_CHECKING, Callable
 
 import jax.extend.core.primitives as P
@@ -303,6 +304,19 @@ class Ladder:
 
 
 def ladder_of(problem: Problem, stacked: bool = False) -> Ladder:
+    """`_ladder_of`'s ladder, built once per problem: each budget weighed on one problem
+    (`within_budget`, a byte budget's levels) chooses from the same candidates."""
+    built = _LADDERS.setdefault(problem, {})
+    if stacked not in built:
+        built[stacked] = _ladder_of(problem, stacked)
+    return built[stacked]
+
+
+# Per problem (a new one per graph weighed), its ladders by `stacked`: dropped with it.
+_LADDERS: weakref.WeakKeyDictionary[Problem, dict[bool, Ladder]] = weakref.WeakKeyDictionary()
+
+
+def _ladder_of(problem: Problem, stacked: bool) -> Ladder:
     """The candidates (`ladder`, `_with_boundaries`, blends: `blends.in_body` in a scan body), each
     with its estimated step peak (saved bytes for a scan body: `stacked`) and cost, and
     the ladder kept of them. The first candidate tops the ladder (`kept_of`): the cheapest
