@@ -1,7 +1,7 @@
 """The suite compiles with XLA's backend optimizations off (tests/conftest.py): that must not
 change what the tests assert. XLA's peak (`memory_analysis()`), its HLO bytes accessed and
-FLOPs of the fused step and of aotgrad's at three budgets, on a GPT, a scanned GPT and a
-convnet: here, and in a process compiling with the defaults."""
+FLOPs of the fused step and of aotgrad's at budgets 0.5 and 0 (budget 1 under `jax.jit` is the
+fused step's plan), on a GPT, a scanned GPT and a convnet: here, and in a process compiling with the defaults."""
 from __future__ import annotations
 
 import json
@@ -28,7 +28,7 @@ def numbers() -> list[list[float]]:
     found = []
     for kind, sizes in MODELS:
         w = workloads.build(kind, kind, sizes)
-        for budget in (None, 1.0, 0.5, 0.0):
+        for budget in (None, 0.5, 0.0):
             with aotgrad.config.patch(activation_memory_budget=1.0 if budget is None else budget):
                 f = w.loss_fn if budget is None else aotgrad.compile(w.loss_fn)
                 c = jax.jit(jax.value_and_grad(f)).lower(w.params, w.batch).compile()

@@ -25,7 +25,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 # The cases of tests/gpu_target_cases.py by process. Cases that share compiled steps are in
 # one group (the GPT at GPT-2 small's widths; the tiny GPT of `h100_args`; the batch-32 GPT
 # of the low budgets and the row reductions). Measured serially on a loaded 2-core machine,
-# 2026-11-28 (jax 0.12.0.1): about 3 minutes each.
+# 2026-12-02 (jax 0.12.0.1): 10-18 minutes each, "small" about 3.
 GROUPS = {
     "gpt2_widths": [
         "test_budget_zero_checkpoints_each_layer_once_at_gpt2_widths",
@@ -52,21 +52,31 @@ GROUPS = {
     ],
     "small": [
         "test_the_h100_step_waits_through_barriers_the_host_step_through_data",
-        "test_the_h100_step_peak_is_at_most_the_fused_steps",
         "test_the_default_moves_the_fused_steps_bytes_on_the_h100",
-        "test_explain_reports_the_programs_compiled_for_the_target",
         "test_the_target_benchmark_reports_xla_numbers_for_every_strategy",
         "test_the_target_command_runs_budgets_it_does_not_list_and_writes_json",
         "test_recomputation_moves_no_more_bytes_than_a_checkpoint_policy",
         "test_an_a100_target_compiles_and_is_decided_for_the_a100",
+        "test_saving_inside_a_softmax_costs_a_read_of_its_row_on_the_h100",
+    ],
+    "small_more": [
+        "test_the_h100_step_peak_is_at_most_the_fused_steps",
+        "test_explain_reports_the_programs_compiled_for_the_target",
         "test_the_low_budgets_peak_falls_below_nothing_saveable_on_the_h100",
         "test_row_reductions_priced_as_fused_move_fewer_bytes_on_the_h100",
         "test_moved_recomputation_is_computed_where_it_is_read_on_the_h100",
-        "test_saving_inside_a_softmax_costs_a_read_of_its_row_on_the_h100",
         "test_a_fused_kernel_holds_what_it_reads_on_the_h100",
         "test_a_budget_meets_dots_saveable_on_a_held_out_stack",
     ],
 }
+# The groups every run of the suite compiles (about 3 minutes of a core, 2026-12-02). The
+# others hold the H100's memory and traffic claims on GPT-2-sized models, about 70 minutes of
+# a core in all on a 2-core machine: they run where ALL_CASES is set in the environment
+# (`AOTGRAD_TARGET_CASES=all python -m pytest tests/test_gpu_target.py`), as before a
+# change to the partitioner, the schedule or the device profiles lands, and each time the
+# results files under docs/results are rerun.
+EVERY_RUN = ("small",)
+ALL_CASES = "AOTGRAD_TARGET_CASES"
 
 
 def _has_cuda_compiler() -> bool:
@@ -114,11 +124,13 @@ def test_every_gpu_target_case_is_in_one_group():
 @needs_cuda_compiler
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_gpu_target_cases(group):
-    # The limit stops a hung run only (a group takes about 3 minutes serially on a loaded
+    if group not in EVERY_RUN and os.environ.get(ALL_CASES) != "all":
+        pytest.skip(f"the {group} cases run with {ALL_CASES}=all")
+    # The limit stops a hung run only (a group takes up to 18 minutes serially on a loaded
     # 2-core machine).
     names = GROUPS[group]
     output = _run_serially([f"tests/gpu_target_cases.py::{name}" for name in names],
-                           f"the H100 target cases ({group})", timeout=1800)
+                           f"the H100 target cases ({group})", timeout=3600)
     assert f"{len(names)} passed" in output, output
 
 
