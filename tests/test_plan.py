@@ -330,7 +330,7 @@ def test_fit_lands_just_under_the_limit_where_a_plan_does():
         compiled.append((xla_peak(c.memory_analysis()), cost["bytes accessed"]))
     peaks = sorted(p for p, _ in compiled)
     searchable = set(levels)  # every level of every limit's gap blended finer, too
-    for limit in [720_000] + [int(p / 0.97) for p in peaks] + [(a + b) // 2 for a, b in zip(peaks, peaks[1:])]:
+    for limit in [720_000] + [int(p / 0.97) for p in peaks]:
         if limit >= plan.rows[0].peak_bytes:
             continue  # the fused step fits
         searchable.update(plan.levels(limit))
