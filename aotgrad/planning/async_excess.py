@@ -1,17 +1,18 @@
-"""What XLA's cost analysis charges asynchronous slices beyond the bytes they move.
+"""What XLA's cost analysis charges slices and in-place updates beyond the bytes they move.
 
 A slice is charged what it moves (its output, read and written), and an in-place update of
-a slice (`dynamic-update-slice` into a buffer it aliases) the update. Run asynchronously,
-each is charged its whole operand as well:
-- XLA:TPU copies a weight into on-chip memory in four slices (`slice-start`), each charged
-  the whole weight;
-- XLA:GPU writes each iteration's value into a scan's stack (its residuals, its `ys`) by an
+a slice (`dynamic-update-slice` into a buffer it aliases) the update. But:
+- XLA:TPU copies a weight into on-chip memory in four asynchronous slices (`slice-start`),
+  each charged the whole weight;
+- XLA:GPU writes each iteration's row of a scan's stack (its residuals, its `ys`) by an
   asynchronous update (`async-start` or `fusion-start` of a dynamic-update-slice, then its
   `-done`), charged the whole stack once or twice (its result, and its operand where the
-  update reads it through a bitcast): a loop of n iterations counted as often as it runs
-  (`loops`) was charged n stacks or more, n^2 slices, where it writes n.
-An update's charge is read from the analysis of the start and its done alone; what it moves
-is what it reads besides the stack, and the slice it writes.
+  update reads it through a bitcast), and reads a row through a bitcast of the stack (a
+  dynamic slice, asynchronous or not) charged the whole stack: a loop of n iterations
+  counted as often as it runs (`loops`) was charged n stacks or more, n^2 rows, for n.
+Such an instruction's charge is read from the analysis of it alone (an asynchronous start
+with its done), with its operands as parameters; what it moves is what it reads besides the
+stack, and the row it reads (and writes out) or writes.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.
 _NAME = re.compile(r"%([\w.\-]+)")
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
 _LAYOUT = re.compile(r"\{[^}]*\}")
+_FRAME = re.compile(r" stack_frame_id=\d+")
 _HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\{\s*$")
 
 
@@ -55,18 +57,19 @@ def async_excess(lines: Iterable[str], computations: Mapping[str, list[str]], te
 
 def _update_excess(start: re.Match, lines: list[str], shapes: dict[str, str],
                    computations: Mapping[str, list[str]], text: str, analyse: Analyse) -> float:
-    """An in-place update's charge (a fusion, or an asynchronous start and its done,
-    analysed alone) less what it moves; 0 for any other instruction."""
+    """A slice's or an in-place update's charge (a fusion, or an asynchronous start and its
+    done, analysed alone) less what it moves; 0 for any other instruction."""
     called = _CALLS.search(start.string)
-    update = _update_slice(computations, called[1]) if called else None
-    if update is None:
+    root = _root(computations, called[1]) if called else None
+    if root is None:
         return 0.0
+    op, piece = root
     shape = _LAYOUT.sub("", start[2])
     if start[3] == "fusion":
         result, done = arrays(shape), None
     else:  # `((operands...), result, context)`
         rest = shape[shape.find(")") + 1:].lstrip(", ")
-        result = [] if rest.startswith("(") else arrays(rest)[:1]  # a tuple: no one buffer updated
+        result = [] if rest.startswith("(") else arrays(rest)[:1]  # a tuple: not one buffer
         done = next((d for line in lines if (d := _INSTRUCTION.match(line)) and d[3].endswith("-done")
                      and d[4].strip() == f"%{start[1]}"), None)
         if done is None:
@@ -74,11 +77,12 @@ def _update_excess(start: re.Match, lines: list[str], shapes: dict[str, str],
     operands = _NAME.findall(start[4])
     if len(result) != 1 or any(o not in shapes for o in operands):
         return 0.0
-    whole = array_bytes(result[0])
     reads = [array_bytes(a) for o in operands for a in arrays(_LAYOUT.sub("", shapes[o]))]
-    if whole not in reads:
+    whole = array_bytes(result[0]) if op == "dynamic-update-slice" else max(reads, default=0)
+    if whole not in reads or whole <= piece:
         return 0.0
-    reads.remove(whole)  # the buffer it writes into, in place
+    reads.remove(whole)  # the stack: an update writes `piece` of it in place, a slice reads `piece`
+    moved = sum(reads) + piece * (1 if op == "dynamic-update-slice" else 2)
     params = [f"  %p{i} = {shapes[o]} parameter({i})" for i, o in enumerate(operands)]
     call = re.sub(r"\((.*?)\)", lambda _: "(" + ", ".join(f"%p{i}" for i in range(len(operands))) + ")",
                   start.string[start.start(3):], count=1)
@@ -87,23 +91,25 @@ def _update_excess(start: re.Match, lines: list[str], shapes: dict[str, str],
     if done is not None:
         probe.append(f"  ROOT %done = {done[2]} {done[3]}(%start)")
     charged = analyse(_probe_module(text, called[1], "\n".join(probe))).get("bytes accessed")
-    return 0.0 if charged is None else max(charged - sum(reads) - update, 0.0)
+    return 0.0 if charged is None else max(charged - moved, 0.0)
 
 
-def _update_slice(computations: Mapping[str, list[str]], name: str, depth: int = 4) -> int | None:
-    """The bytes of the slice a computation's root dynamic-update-slice writes, through the
-    fusions it calls; None where its root is no such update."""
+def _root(computations: Mapping[str, list[str]], name: str, depth: int = 4) -> tuple[str, int] | None:
+    """What a computation's root does, through the fusions it calls, where it is a
+    dynamic slice or update: the opcode, and the bytes of the slice it reads or writes."""
     lines = computations.get(name, ())
     shapes = {m[1]: m[2] for line in lines if (m := _INSTRUCTION.match(line))}
     for line in lines:
         if line.lstrip().startswith("ROOT ") and (m := _INSTRUCTION.match(line)):
             called = _CALLS.search(line)
             if m[3] == "fusion" and called and depth:
-                return _update_slice(computations, called[1], depth - 1)
+                return _root(computations, called[1], depth - 1)
             operands = _NAME.findall(m[4])
+            if m[3] == "dynamic-slice":
+                return m[3], sum(map(array_bytes, arrays(_LAYOUT.sub("", m[2]))))
             if m[3] != "dynamic-update-slice" or len(operands) < 2 or operands[1] not in shapes:
                 return None
-            return sum(map(array_bytes, arrays(_LAYOUT.sub("", shapes[operands[1]]))))
+            return m[3], sum(map(array_bytes, arrays(_LAYOUT.sub("", shapes[operands[1]]))))
     return None
 
 
@@ -117,7 +123,9 @@ def _probe_module(text: str, called: str, body: str) -> str:
         if name in blocks and name not in seen:
             seen.append(name)
             todo += _NAME.findall(blocks[name].split("{", 1)[1])
-    return "\n\n".join(["HloModule aotgrad_probe", *(blocks[name] for name in reversed(seen)), "ENTRY %aotgrad_probe {\n" + body + "\n}\n"])
+    entry = "ENTRY %aotgrad_probe {\n" + body + "\n}\n"
+    module = "\n\n".join(["HloModule aotgrad_probe", *(blocks[name] for name in reversed(seen)), entry])
+    return _FRAME.sub("", module)  # its metadata would name stack frames the probe does not hold
 
 
 @functools.lru_cache(maxsize=2)

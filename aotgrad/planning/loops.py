@@ -86,8 +86,10 @@ def counted(text: str, whole: dict, analyse: Analyse) -> Counted:
         return done[name, key]
 
     def excess(name: str) -> float:
-        return async_excess(own_lines[name], blocks, text, analyse) + sum(trip * excess(body) for body, trip in nested[name])
-    return Counted(run(entry, "flops"), run(entry, "bytes accessed"), excess(entry), sum(calls.values(), LibraryCalls()))
+        inner = sum(trip * excess(body) for body, trip in nested[name])
+        return async_excess(blocks[name], blocks, text, analyse) + inner
+    return Counted(run(entry, "flops"), run(entry, "bytes accessed"), excess(entry),
+                   sum(calls.values(), LibraryCalls()))
 
 
 def _owners(blocks: dict[str, list[str]], roots: set[str]) -> dict[str, str]:

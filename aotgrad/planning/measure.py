@@ -33,9 +33,10 @@ __all__ = ["Measured", "async_slice_excess", "counted_cost", "estimate_step_s", 
 
 def async_slice_excess(hlo_text: str) -> float:
     """What XLA's cost analysis charges the asynchronous slices and in-place updates of an
-    optimized module beyond the bytes they move (`async_excess`), each instruction once."""
-    blocks, _ = computations(hlo_text)
-    return async_excess((line for lines in blocks.values() for line in lines), blocks, hlo_text, module_cost)
+    optimized module's entry (or of instruction lines given alone) beyond the bytes they move
+    (`async_excess`)."""
+    blocks, entry = computations(hlo_text)
+    return async_excess(blocks[entry] if entry else hlo_text.splitlines(), blocks, hlo_text, module_cost)
 
 
 @dataclasses.dataclass(frozen=True)
