@@ -149,8 +149,9 @@ TARGET_COLUMNS: tuple[Column[TargetRow], ...] = (
            lambda r, ref: _ratio(r.activation_peak, ref.fused and ref.fused.activation_peak)),
     Column(("GB", "moved"), "bytes accessed by XLA's HLO cost analysis of the optimized module (on a GPU "
            "with its cuBLAS and cuDNN calls, which the analysis leaves out, counted from the module's text; "
-           "a loop's body counted once, as the analysis counts it), each asynchronous slice at the bytes it "
-           "moves: what step time followed on a real GPU",
+           "each loop's body as often as it runs, where results before 2026-12-03 counted it once, as the "
+           "analysis does), each asynchronous slice or in-place update at the bytes it moves: what step time "
+           "followed on a real GPU",
            lambda r, _: _giga(r.bytes_moved)),
     Column(("moved /", "fused"), "bytes moved over the fused step's: the time proxy where nothing runs",
            lambda r, ref: _ratio(r.bytes_moved, ref.fused and ref.fused.bytes_moved)),

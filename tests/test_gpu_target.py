@@ -58,6 +58,7 @@ GROUPS = {
         "test_recomputation_moves_no_more_bytes_than_a_checkpoint_policy",
         "test_an_a100_target_compiles_and_is_decided_for_the_a100",
         "test_saving_inside_a_softmax_costs_a_read_of_its_row_on_the_h100",
+        "test_a_scans_stacks_are_counted_at_the_rows_written_on_the_h100",
     ],
     "small_more": [
         "test_the_h100_step_peak_is_at_most_the_fused_steps",

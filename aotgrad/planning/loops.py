@@ -1,5 +1,6 @@
-"""A step's FLOPs with each loop counted as many times as it runs, and each library call
-counted (`library_calls`).
+"""A step's FLOPs and bytes with each loop counted as many times as it runs, each library
+call counted (`library_calls`), and each asynchronous slice at the bytes it moves
+(`async_excess`).
 
 XLA's cost analysis counts a `while` body once, whatever its trip count: a model written as
 a `lax.scan` over its layers was counted as if it had one layer (a scanned GPT-2 small's
@@ -9,20 +10,20 @@ on its own, the module's text with that body as its entry, and counted that many
 nested loops inside out (the scanned step: 7.04 TFLOP). A loop XLA does not know the count
 of (a `while_loop` that tests a value) counts once, as the analysis counts it. A library
 call counts where it is: in a loop body, as often as the body runs; anywhere else, once.
-
-Bytes are not counted so: the analysis charges each of XLA:GPU's asynchronous in-place
-updates of a stacked value (a scan's residuals) with the whole stack, so a body counted
-twelve times charged the scanned GPT-2 small's fused step 447.9 GB, where the unrolled
-step moves 124.3.
+Bytes are counted so too, and what the analysis charges a body's asynchronous updates of
+its stacks beyond what they write (`async_excess`) as often: that excess, left in, grows
+with the square of the trip count.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Callable
 
+from aotgrad.planning.async_excess import async_excess
 from aotgrad.planning.library_calls import LibraryCalls, library_calls
 
-__all__ = ["counted"]
+__all__ = ["Counted", "computations", "counted"]
 
 _HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\{\s*$")
 _WHILE = re.compile(r" while\(.*?body=%([\w.\-]+)")
@@ -32,12 +33,20 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 Analyse = Callable[[str], dict]  # HLO module text -> XLA's cost analysis ({}: it could not)
 
 
-def counted(text: str, whole: dict, analyse: Analyse) -> tuple[float | None, LibraryCalls]:
-    """The step's FLOPs, from its optimized module's `text` and `whole`, XLA's cost analysis
-    of that module; `analyse` analyses a module given as text. None where the analysis
-    could not be made or a loop body could not be analysed. And the module's library calls,
-    each instruction once (what computations no loop or entry runs hold left out)."""
-    blocks, entry = _blocks(text)
+@dataclasses.dataclass(frozen=True)
+class Counted:
+    """One step's numbers, each loop counted as often as it runs (None: not known)."""
+    flops: float | None
+    bytes_accessed: float | None  # as the analysis charges them, library calls included
+    excess: float  # of `bytes_accessed`, what asynchronous slices are charged beyond what they move
+    calls: LibraryCalls  # each instruction once (what computations no loop or entry runs hold left out)
+
+
+def counted(text: str, whole: dict, analyse: Analyse) -> Counted:
+    """The step's numbers, from its optimized module's `text` and `whole`, XLA's cost
+    analysis of that module; `analyse` analyses a module given as text. A number is None
+    where the analysis could not make it or a loop body could not be analysed."""
+    blocks, entry = computations(text)
     loops: dict[str, list[tuple[str, int]]] = {name: [] for name in blocks}
     for name, lines in blocks.items():
         for line in lines:
@@ -47,31 +56,40 @@ def counted(text: str, whole: dict, analyse: Analyse) -> tuple[float | None, Lib
     bodies = {body for found in loops.values() for body, _ in found}
     owned = {*bodies, entry}
     owner = _owners(blocks, owned)
-    calls = {name: library_calls("\n".join(line for b, lines in blocks.items() if owner[b] == name for line in lines))
-             for name in owned}
+    own_lines = {name: [line for b, lines in blocks.items() if owner[b] == name for line in lines] for name in owned}
+    calls = {name: library_calls("\n".join(own_lines[name])) for name in owned}
     nested = {name: [w for b in blocks if owner[b] == name for w in loops[b]] for name in owned}
-    flops: dict[str, float | None] = {entry: whole.get("flops")}
-    done: dict[str, float | None] = {}
+    analysed: dict[str, dict] = {entry: whole}
+    done: dict[tuple[str, str], float | None] = {}
 
-    def once(name: str) -> float | None:  # the analysis's count: its loops once each
-        if name not in flops:
-            flops[name] = analyse(_as_entry(text, name)).get("flops")
-        return flops[name]
+    def once(name: str, key: str) -> float | None:  # the analysis's count: its loops once each
+        if name not in analysed:
+            analysed[name] = analyse(_as_entry(text, name))
+        return analysed[name].get(key)
 
-    def run(name: str) -> float | None:  # one run of `name`, its loops counted inside out
-        if name not in done:
-            total = once(name)
+    def own(name: str, key: str) -> float:  # what the analysis leaves out of `name` (each call was charged -1)
+        c = calls[name]
+        return c.count + (c.flops if key == "flops" else c.bytes)
+
+    def run(name: str, key: str) -> float | None:  # one run of `name`, its loops counted inside out
+        if (name, key) not in done:
+            total = once(name, key)
             if total is not None:
-                total += calls[name].count + calls[name].flops  # each call was charged -1
+                total += own(name, key)
                 for body, trip in nested[name]:
-                    inner, counted_once = run(body), once(body)
+                    inner, counted_once = run(body, key), once(body, key)
                     if inner is None or counted_once is None:
                         total = None
                         break
                     total += trip * inner - counted_once
-            done[name] = total
-        return done[name]
-    return run(entry), sum(calls.values(), LibraryCalls())
+            done[name, key] = total
+        return done[name, key]
+
+    def excess(name: str) -> float:
+        inner = sum(trip * excess(body) for body, trip in nested[name])
+        return async_excess(blocks[name], blocks, text, analyse) + inner
+    return Counted(run(entry, "flops"), run(entry, "bytes accessed"), excess(entry),
+                   sum(calls.values(), LibraryCalls()))
 
 
 def _owners(blocks: dict[str, list[str]], roots: set[str]) -> dict[str, str]:
@@ -90,7 +108,7 @@ def _owners(blocks: dict[str, list[str]], roots: set[str]) -> dict[str, str]:
     return {name: owner.get(name, "") for name in blocks}
 
 
-def _blocks(text: str) -> tuple[dict[str, list[str]], str]:
+def computations(text: str) -> tuple[dict[str, list[str]], str]:
     """Each computation's instruction lines, by name, and the entry's name."""
     blocks: dict[str, list[str]] = {}
     entry, current = "", None

@@ -3,19 +3,18 @@
 - peak: `memory_analysis()` per device, arguments + outputs - outputs aliased to donated
   arguments + scratch (`xla_peak`);
 - bytes accessed and FLOPs: XLA's HLO cost analysis of the optimized module
-  (`_jax_internals.hlo_cost`), a loop's FLOPs counted as often as it runs (`loops`: the
-  analysis counts a loop's body once; its bytes stay counted once). A GPU module (a compile-only one's, or a real
+  (`_jax_internals.hlo_cost`), a loop's bytes and FLOPs counted as often as it runs
+  (`loops`: the analysis counts a loop's body once). A GPU module (a compile-only one's, or a real
   GPU's) is analysed with the host's generic cost model, its library calls (cuBLAS
   matmuls, cuDNN convolutions), which the analysis leaves out, counted from its text
-  (`library_calls`); where the target's compiler copies weights in chunks by asynchronous
-  slices (XLA:TPU), the bytes with each slice counted at the bytes it moves
-  (`async_slice_excess`);
+  (`library_calls`); where the target's compiler slices asynchronously (XLA:TPU copying
+  weights in chunks, XLA:GPU writing a scan's stacks), the bytes with each slice counted at
+  the bytes it moves (`async_excess`);
 - an estimated step time from the device's memory bandwidth and FLOP rate (`estimate_step_s`).
 """
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 import warnings
 from typing import Any, Callable
@@ -24,41 +23,31 @@ import jax
 
 from aotgrad._jax_internals import hlo_cost, module_cost
 from aotgrad.devices import DeviceProfile
-from aotgrad.planning.library_calls import array_bytes, arrays, has_library_calls
-from aotgrad.planning.loops import counted
+from aotgrad.planning.library_calls import has_library_calls
+from aotgrad.planning.async_excess import async_excess
+from aotgrad.planning.loops import computations, counted
 from aotgrad.xla_buffers import xla_peak
 
 __all__ = ["Measured", "async_slice_excess", "counted_cost", "estimate_step_s", "measure", "xla_peak"]
 
 
-# `%x = ((f32[768,2304]{1,0:T(8,128)}), f32[192,2304]{...}, s32[]{...}) slice-start(%w), ...`:
-# the operand's shape, then the slice's (a layout may hold parentheses, never braces).
-_SLICE_START = re.compile(r"= \(\((\w+\[[\d,]*\])(?:\{[^}]*\})?\), (\w+\[[\d,]*\]).*? slice-start\(")
-
-
-def async_slice_excess(hlo_text: str) -> int:
-    """What XLA's cost analysis charges the asynchronous slices of an optimized module
-    (`slice-start`) beyond the bytes they move. A slice is charged what it moves (its
-    output, read and written), but an asynchronous one the whole operand as well: XLA:TPU
-    copies a weight into on-chip memory in four slices, each charged the whole weight.
-    Returns the sum over slices of operand bytes minus slice bytes."""
-    excess = 0
-    for line in hlo_text.splitlines():
-        m = _SLICE_START.search(line)
-        if m:
-            excess += sum(map(array_bytes, arrays(m[1]))) - sum(map(array_bytes, arrays(m[2])))
-    return excess
+def async_slice_excess(hlo_text: str) -> float:
+    """What XLA's cost analysis charges the asynchronous slices and in-place updates of an
+    optimized module's entry (or of instruction lines given alone) beyond the bytes they move
+    (`async_excess`)."""
+    blocks, entry = computations(hlo_text)
+    return async_excess(blocks[entry] if entry else hlo_text.splitlines(), blocks, hlo_text, module_cost)
 
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
     """One compiled step, per device (None: the compiler did not say)."""
     peak_bytes: int | None
-    bytes_accessed: float | None  # XLA's cost analysis, as it counts
+    bytes_accessed: float | None  # XLA's cost analysis, as it charges them (`counted_cost`)
     flops: float | None
     compile_s: float  # trace, lower and compile
-    # Of `bytes_accessed`, what the cost analysis charges asynchronous slices beyond the
-    # bytes they move (0 where the compiler emits none).
+    # Of `bytes_accessed`, what the cost analysis charges asynchronous slices and in-place
+    # updates beyond the bytes they move (0 where the compiler emits none).
     slice_excess: float = 0.0
 
     @property
@@ -79,30 +68,36 @@ def measure(build: Callable[[], Any]) -> tuple[Any, Measured]:
     text = compiled.as_text()
     cost = counted_cost(compiled, text)
     return compiled, Measured(None if m is None else xla_peak(m), cost.get("bytes accessed"), cost.get("flops"),
-                              seconds, float(async_slice_excess(text)))
+                              seconds, cost.get(EXCESS, 0.0))
+
+
+EXCESS = "async excess"  # `counted_cost`'s key: of "bytes accessed", what async slices are charged beyond moving
 
 
 def counted_cost(compiled: Any, text: str | None = None) -> dict[str, float]:
     """XLA's cost analysis of `compiled` (`hlo_cost`); where the module has loops or library
     calls, the generic analysis (on a GPU always), with each library call's bytes and FLOPs
-    counted (it charged each -1) and each loop's FLOPs counted as often as it runs
-    (`loops.counted`; its bytes once, as the analysis counts them). {} where that cannot be
-    counted (a warning says why). `text`: `compiled.as_text()`, if already read."""
+    counted (it charged each -1) and each loop's bytes and FLOPs counted as often as it runs
+    (`loops.counted`). Under `EXCESS`, what the bytes charge asynchronous slices and updates
+    beyond what they move, counted as often (`async_excess`; subtract it for the bytes
+    moved). {} where that cannot be counted (a warning says why). `text`:
+    `compiled.as_text()`, if already read."""
     text = compiled.as_text() if text is None else text
     if " while(" not in text and not has_library_calls(text):
-        return (hlo_cost(compiled, generic=True) if _platform(compiled) == "gpu" else {}) or hlo_cost(compiled)
+        cost = (hlo_cost(compiled, generic=True) if _platform(compiled) == "gpu" else {}) or hlo_cost(compiled)
+        return {**cost, EXCESS: float(async_slice_excess(text))} if cost else cost
     whole = hlo_cost(compiled, generic=True)
-    flops, calls = counted(text, whole, module_cost)
-    if flops is None or "bytes accessed" not in whole:
+    c = counted(text, whole, module_cost)
+    if c.flops is None or c.bytes_accessed is None:
         warnings.warn("aotgrad: the step's bytes moved and FLOPs are not known: XLA's cost analysis counts "
                       "a loop's body once and a library call as -1, and counting them needs the host's CPU "
                       "backend (JAX_PLATFORMS must include 'cpu') to analyse the module's computations.",
                       stacklevel=2)
         return {}
-    if calls.unknown:
-        warnings.warn(f"aotgrad: the step's FLOPs leave out its calls of {', '.join(calls.unknown)} "
+    if c.calls.unknown:
+        warnings.warn(f"aotgrad: the step's FLOPs leave out its calls of {', '.join(c.calls.unknown)} "
                       f"(library calls XLA's cost analysis does not count, nor does aotgrad).", stacklevel=2)
-    return {**whole, "flops": flops, "bytes accessed": whole["bytes accessed"] + calls.count + calls.bytes}
+    return {**whole, "flops": c.flops, "bytes accessed": c.bytes_accessed, EXCESS: float(c.excess)}
 
 
 def _platform(compiled: Any) -> str | None:
