@@ -28,7 +28,7 @@ from aotgrad.planning.async_excess import async_excess
 from aotgrad.planning.loops import computations, counted
 from aotgrad.xla_buffers import xla_peak
 
-__all__ = ["Measured", "async_slice_excess", "counted_cost", "estimate_step_s", "measure", "xla_peak"]
+__all__ = ["EXCESS", "Measured", "async_slice_excess", "counted_cost", "estimate_step_s", "measure", "xla_peak"]
 
 
 def async_slice_excess(hlo_text: str) -> float:
