@@ -71,7 +71,8 @@ def test_a_module_without_library_calls_counts_nothing():
 def test_a_step_counts_each_library_call_once_with_xlas_own_flops():
     """`loops.counted` finds the calls computation by computation (a loop body's run as often
     as the loop): in a module without loops, the same calls as the whole text holds, their
-    FLOPs added to the analysis's and the -1 it charged each undone."""
-    flops, calls = counted(MODULE, {"flops": 10.0}, lambda text: {})
-    assert calls == library_calls(MODULE)
-    assert flops == 10.0 + calls.count + 3 * CONV_FLOPS + GEMM_FLOPS
+    FLOPs and bytes added to the analysis's and the -1 it charged each undone."""
+    c = counted(MODULE, {"flops": 10.0, "bytes accessed": 20.0}, lambda text: {})
+    assert c.calls == library_calls(MODULE)
+    assert c.flops == 10.0 + c.calls.count + 3 * CONV_FLOPS + GEMM_FLOPS
+    assert c.bytes_accessed == 20.0 + c.calls.count + c.calls.bytes
