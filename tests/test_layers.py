@@ -25,7 +25,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "runtime": ("hooks", "anomaly", "segments", "runtime", "entry"),
     "api": ("nnx", "api", "api.stages", "api.cache", "api.function", "api.fwd_bwd"),
     "tools": ("report", "export", "export.blob", "export.programs", "export.loaded", "export.build",
-              "planning", "planning.place", "planning.steps", "planning.library_calls", "planning.async_excess", "planning.loops", "planning.measure", "planning.land", "planning.table",
+              "planning", "planning.place", "planning.steps", "planning.hlo_text", "planning.library_calls", "planning.async_excess", "planning.loops", "planning.measure", "planning.land", "planning.table",
               "planning.build"),
     "face": ("",),
 }

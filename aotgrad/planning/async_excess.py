@@ -16,26 +16,20 @@ stack, and the row it reads (and writes out) or writes.
 """
 from __future__ import annotations
 
-import functools
 import re
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
+from aotgrad.planning.hlo_text import INSTRUCTION, NAME, Analyse, computation_texts
 from aotgrad.planning.library_calls import array_bytes, arrays
 
 __all__ = ["async_excess"]
 
-Analyse = Callable[[str], dict]  # HLO module text -> XLA's cost analysis ({}: it could not)
-
 # `%x = ((f32[768,2304]{1,0:T(8,128)}), f32[192,2304]{...}, s32[]{...}) slice-start(%w), ...`:
 # the operand's shape, then the slice's (a layout may hold parentheses, never braces).
 _SLICE_START = re.compile(r"= \(\((\w+\[[\d,]*\])(?:\{[^}]*\})?\), (\w+\[[\d,]*\]).*? slice-start\(")
-# `%name = <shape> opcode(operands), attributes`
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*?)\)(?:,|$)")
-_NAME = re.compile(r"%([\w.\-]+)")
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
 _LAYOUT = re.compile(r"\{[^}]*\}")
 _FRAME = re.compile(r" stack_frame_id=\d+")
-_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\{\s*$")
 
 
 def async_excess(lines: Iterable[str], computations: Mapping[str, list[str]], text: str,
@@ -46,11 +40,11 @@ def async_excess(lines: Iterable[str], computations: Mapping[str, list[str]], te
     computations' lines by name; `analyse`: the analysis of a module given as text."""
     lines = list(lines)
     excess = 0.0
-    shapes = {m[1]: m[2] for line in lines if (m := _INSTRUCTION.match(line))}
+    shapes = {m[1]: m[2] for line in lines if (m := INSTRUCTION.match(line))}
     for line in lines:
         if m := _SLICE_START.search(line):
             excess += sum(map(array_bytes, arrays(m[1]))) - sum(map(array_bytes, arrays(m[2])))
-        elif (m := _INSTRUCTION.match(line)) and m[3] in ("async-start", "fusion-start", "fusion"):
+        elif (m := INSTRUCTION.match(line)) and m[3] in ("async-start", "fusion-start", "fusion"):
             excess += _update_excess(m, lines, shapes, computations, text, analyse)
     return excess
 
@@ -70,11 +64,11 @@ def _update_excess(start: re.Match, lines: list[str], shapes: dict[str, str],
     else:  # `((operands...), result, context)`
         rest = shape[shape.find(")") + 1:].lstrip(", ")
         result = [] if rest.startswith("(") else arrays(rest)[:1]  # a tuple: not one buffer
-        done = next((d for line in lines if (d := _INSTRUCTION.match(line)) and d[3].endswith("-done")
-                     and d[4].strip() == f"%{start[1]}"), None)
+        done = next((d for line in lines if (d := INSTRUCTION.match(line)) and d[3].endswith("-done")
+                     and _operands(d) == f"%{start[1]}"), None)
         if done is None:
             return 0.0
-    operands = _NAME.findall(start[4])
+    operands = NAME.findall(_operands(start))
     if len(result) != 1 or any(o not in shapes for o in operands):
         return 0.0
     reads = [array_bytes(a) for o in operands for a in arrays(_LAYOUT.sub("", shapes[o]))]
@@ -98,13 +92,13 @@ def _root(computations: Mapping[str, list[str]], name: str, depth: int = 4) -> t
     """What a computation's root does, through the fusions it calls, where it is a
     dynamic slice or update: the opcode, and the bytes of the slice it reads or writes."""
     lines = computations.get(name, ())
-    shapes = {m[1]: m[2] for line in lines if (m := _INSTRUCTION.match(line))}
+    shapes = {m[1]: m[2] for line in lines if (m := INSTRUCTION.match(line))}
     for line in lines:
-        if line.lstrip().startswith("ROOT ") and (m := _INSTRUCTION.match(line)):
+        if line.lstrip().startswith("ROOT ") and (m := INSTRUCTION.match(line)):
             called = _CALLS.search(line)
             if m[3] == "fusion" and called and depth:
                 return _root(computations, called[1], depth - 1)
-            operands = _NAME.findall(m[4])
+            operands = NAME.findall(_operands(m))
             if m[3] == "dynamic-slice":
                 return m[3], sum(map(array_bytes, arrays(_LAYOUT.sub("", m[2]))))
             if m[3] != "dynamic-update-slice" or len(operands) < 2 or operands[1] not in shapes:
@@ -116,28 +110,19 @@ def _root(computations: Mapping[str, list[str]], name: str, depth: int = 4) -> t
 def _probe_module(text: str, called: str, body: str) -> str:
     """A module of the computations `called` reaches in `text`, its entry the instruction
     lines `body`."""
-    blocks = _texts(text)
+    blocks = computation_texts(text)
     todo, seen = [called], []
     while todo:
         name = todo.pop()
         if name in blocks and name not in seen:
             seen.append(name)
-            todo += _NAME.findall(blocks[name].split("{", 1)[1])
+            todo += NAME.findall(blocks[name].split("{", 1)[1])
     entry = "ENTRY %aotgrad_probe {\n" + body + "\n}\n"
     module = "\n\n".join(["HloModule aotgrad_probe", *(blocks[name] for name in reversed(seen)), entry])
     return _FRAME.sub("", module)  # its metadata would name stack frames the probe does not hold
 
 
-@functools.lru_cache(maxsize=2)
-def _texts(text: str) -> dict[str, str]:
-    """Each non-entry computation's whole text (header to closing brace), by name."""
-    out: dict[str, str] = {}
-    name, current = None, []
-    for line in text.splitlines():
-        if (m := _HEADER.match(line)) and not m[1]:
-            name, current = m[2], [line]
-        elif name is not None:
-            current.append(line)
-            if line.startswith("}"):
-                out[name], name = "\n".join(current), None
-    return out
+
+def _operands(m: re.Match) -> str:
+    """The operand list of an instruction matched by `INSTRUCTION` (it holds no parentheses)."""
+    return m.string[m.end():].split(")", 1)[0].strip()

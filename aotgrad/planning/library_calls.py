@@ -16,19 +16,17 @@ import dataclasses
 import math
 import re
 
+from aotgrad.planning.hlo_text import INSTRUCTION, NAME
+
 __all__ = ["LibraryCalls", "array_bytes", "arrays", "has_library_calls", "library_calls"]
 
 _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
                "u32": 4, "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1,
                "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "c64": 8, "c128": 16}
 
-# `%name = <shape> op(operands), attributes`: a shape may be a tuple; an operand may be
-# printed with its shape before its name.
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _CALL = re.compile(r"custom-call\(([^)]*)\)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_OPERAND = re.compile(r"%([\w.\-]+)")
 _CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->\w+")
 _LIBRARIES = ("__cublas$", "__cudnn$", "__miopen$", "__rocblas$", "__hipblas$")
@@ -76,7 +74,7 @@ def library_calls(hlo_text: str) -> LibraryCalls:
     shapes: dict[str, list[Array]] = {}
     calls = []
     for line in hlo_text.splitlines():
-        m = _INSTRUCTION.match(line)
+        m = INSTRUCTION.match(line)
         if not m:
             continue
         shapes[m[1]] = arrays(m[2])
@@ -88,7 +86,7 @@ def library_calls(hlo_text: str) -> LibraryCalls:
         if len(result) > 1 and result[-1][0] in _SCRATCH:
             result = result[:-1]
         listed = _CALL.search(line)
-        operands = [shapes.get(o, []) for o in _OPERAND.findall(listed[1] if listed else "")]
+        operands = [shapes.get(o, []) for o in NAME.findall(listed[1] if listed else "")]
         first = [a[0] for a in operands if a]
         count += 1
         moved += sum(map(array_bytes, result)) + sum(array_bytes(a) for o in operands for a in o)

@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable
 
 from aotgrad.planning.async_excess import async_excess
+from aotgrad.planning.hlo_text import NAME, Analyse, as_entry, computations
 from aotgrad.planning.library_calls import LibraryCalls, library_calls
 
-__all__ = ["Counted", "computations", "counted"]
+__all__ = ["Counted", "counted"]
 
-_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(.*\{\s*$")
 _WHILE = re.compile(r" while\(.*?body=%([\w.\-]+)")
-_REF = re.compile(r"%([\w.\-]+)")  # a name: an instruction's, or a computation's it calls
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-Analyse = Callable[[str], dict]  # HLO module text -> XLA's cost analysis ({}: it could not)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,15 +52,15 @@ def counted(text: str, whole: dict, analyse: Analyse) -> Counted:
     bodies = {body for found in loops.values() for body, _ in found}
     owned = {*bodies, entry}
     owner = _owners(blocks, owned)
-    own_lines = {name: [line for b, lines in blocks.items() if owner[b] == name for line in lines] for name in owned}
-    calls = {name: library_calls("\n".join(own_lines[name])) for name in owned}
+    calls = {name: library_calls("\n".join(line for b, lines in blocks.items() if owner[b] == name for line in lines))
+             for name in owned}
     nested = {name: [w for b in blocks if owner[b] == name for w in loops[b]] for name in owned}
     analysed: dict[str, dict] = {entry: whole}
     done: dict[tuple[str, str], float | None] = {}
 
     def once(name: str, key: str) -> float | None:  # the analysis's count: its loops once each
         if name not in analysed:
-            analysed[name] = analyse(_as_entry(text, name))
+            analysed[name] = analyse(as_entry(text, name))
         return analysed[name].get(key)
 
     def own(name: str, key: str) -> float:  # what the analysis leaves out of `name` (each call was charged -1)
@@ -104,31 +100,5 @@ def _owners(blocks: dict[str, list[str]], roots: set[str]) -> dict[str, str]:
             if name in owner or (name in roots and name != root):
                 continue
             owner[name] = root
-            stack += [ref for line in blocks[name] for ref in _REF.findall(line) if ref in blocks]
+            stack += [ref for line in blocks[name] for ref in NAME.findall(line) if ref in blocks]
     return {name: owner.get(name, "") for name in blocks}
-
-
-def computations(text: str) -> tuple[dict[str, list[str]], str]:
-    """Each computation's instruction lines, by name, and the entry's name."""
-    blocks: dict[str, list[str]] = {}
-    entry, current = "", None
-    for line in text.splitlines():
-        if m := _HEADER.match(line):
-            current = blocks.setdefault(m[2], [])
-            entry = m[2] if m[1] else entry
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
-            current.append(line)
-    return blocks, entry
-
-
-def _as_entry(text: str, name: str) -> str:
-    """`text` with the computation `name` as the module's entry."""
-    out = []
-    for line in text.splitlines():
-        if m := _HEADER.match(line):
-            line = line[len("ENTRY "):] if m[1] else line
-            line = "ENTRY " + line if m[2] == name else line
-        out.append(line)
-    return "\n".join(out)

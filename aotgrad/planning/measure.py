@@ -25,7 +25,8 @@ from aotgrad._jax_internals import hlo_cost, module_cost
 from aotgrad.devices import DeviceProfile
 from aotgrad.planning.library_calls import has_library_calls
 from aotgrad.planning.async_excess import async_excess
-from aotgrad.planning.loops import computations, counted
+from aotgrad.planning.hlo_text import computations
+from aotgrad.planning.loops import counted
 from aotgrad.xla_buffers import xla_peak
 
 __all__ = ["EXCESS", "Measured", "async_slice_excess", "counted_cost", "estimate_step_s", "measure", "xla_peak"]
